@@ -1,0 +1,1 @@
+"""The ``images`` pipeline: decode any folder of pictures and resize / center-crop them."""

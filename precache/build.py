@@ -1,0 +1,421 @@
+"""Stage-1 runner: list inputs, work out what changed, run the ops in worker processes, write
+shards, then publish the index, errors table and manifest (last, atomically).
+
+Rules (also in the README):
+
+- **Incremental**: an input is recomputed only if it is new, or its size or modification time
+  changed *and* its content hash differs from the cached ``source_hash``. Rows of deleted and
+  changed inputs are dropped (the shards that held them are rewritten without them, by copying).
+- **Fingerprint**: each op's name, version, parameters and model-file hashes, plus the shard
+  format. If it differs from the cache's, every input is recomputed; the old cache stays readable
+  until the new manifest replaces it.
+- **Resumable**: every finished task is committed as a shard plus a journal entry; a re-run after a
+  crash (even kill -9) adopts them and computes only the rest.
+- **Deterministic**: tasks are fixed runs of ``shard_rows`` inputs in key order and shards are
+  numbered by task, so the number of workers does not change the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock
+from precache.formats import ShardInfo, file_checksum, get_format
+from precache.manifest import Manifest, ManifestError
+from precache.pipeline import Pipeline, fingerprint, load_pipeline
+from precache.schema import schema_from_json, schema_to_json
+from precache.sources import Input, hash_bytes, list_inputs, read_bytes
+from precache.worker import (
+    THREAD_ENV, Task, TaskResult, WorkerConfig, init_worker, new_record, run_task,
+)
+
+__all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
+
+DEFAULT_SHARD_ROWS = 256
+
+
+class RunError(RuntimeError):
+    """The run cannot continue; the message says what happened, where, and what to do."""
+
+
+def default_workers() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RunSummary:
+    """What a run did. Counts are over all inputs of the cache after the run."""
+
+    cache: Path
+    inputs: int
+    ok: int
+    skipped: int
+    failed: int
+    rows: int
+    computed: int
+    reused: int
+    deleted: int
+    rewritten_shards: int
+    wall_s: float
+    cache_bytes: int
+    shard_bytes_written: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Inputs computed per second of wall time."""
+        return self.computed / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class _State:
+    """What the cache already holds for the current fingerprint."""
+
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shards: dict[int, ShardInfo] = field(default_factory=dict)
+    schemas: dict[int, dict[str, Any]] = field(default_factory=dict)
+    referenced: set[str] = field(default_factory=set)  # shard files that must not be deleted
+    max_seq: int = 0
+
+
+def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) -> Manifest | None:
+    """Check the output may be written; clear it with ``overwrite``; return the old manifest."""
+    root = layout.root
+    if root.exists() and any(root.iterdir()) and not layout.looks_like_cache():
+        raise RunError(f"output '{root}' is not empty and holds no precache cache; "
+                       "choose a new or empty directory")
+    old: Manifest | None = None
+    if layout.manifest.exists():
+        try:
+            old = Manifest.load(layout.manifest)
+        except ManifestError as e:
+            if not overwrite:
+                raise RunError(f"{e}; use --overwrite to replace it") from None
+    if old is not None and old.pipeline != pipeline.name and not overwrite:
+        raise RunError(f"output '{root}' holds a cache of pipeline '{old.pipeline}', not "
+                       f"'{pipeline.name}'; use --overwrite to replace it, or another --output")
+    if overwrite:
+        layout.manifest.unlink(missing_ok=True)  # first: from here on it is not a cache
+        for path in (layout.shards, layout.journal, layout.staging):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in [layout.errors, *root.glob("index-*.parquet")]:
+            path.unlink(missing_ok=True)
+        old = None
+    return old
+
+
+def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str,
+                shard_suffix: str) -> _State:
+    """Collect records and shards from the old manifest (same fingerprint) and the journal of an
+    interrupted run; delete journal entries of other fingerprints and orphan shard files."""
+    state = _State()
+    if old is not None:
+        state.referenced |= {Path(s.path).name for s in old.shards}
+        state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
+        if old.fingerprint == fp:
+            index = pq.read_table(layout.root / old.index["path"]).to_pylist()
+            state.records = {r["key"]: r for r in index}
+            for info in old.shards:
+                seq = layout.shard_seq(info.path)
+                state.shards[seq] = info
+                state.schemas[seq] = schema_to_json(old.schema)
+    for entry_path in sorted(layout.journal.glob("part-*.json")):
+        try:
+            entry = json.loads(entry_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            entry = {}
+        shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
+        usable = (entry.get("fingerprint") == fp and entry.get("pipeline") == name
+                  and (shard is None or (layout.root / shard.path).is_file()))
+        if not usable:
+            entry_path.unlink()
+            continue
+        seq = int(entry["seq"])
+        state.max_seq = max(state.max_seq, seq)
+        if shard is not None:
+            state.shards[seq] = shard
+            state.schemas[seq] = entry["schema"]
+            state.referenced.add(Path(shard.path).name)
+        for record in entry["records"]:
+            state.records[record["key"]] = record
+    for path in layout.shards.iterdir():
+        if path.name not in state.referenced:
+            path.unlink()  # an orphan: written by a run that died before journaling it
+    return state
+
+
+def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str, dict[str, Any]]]:
+    """Split inputs into those to compute and the records of those unchanged."""
+    todo: list[Input] = []
+    kept: dict[str, dict[str, Any]] = {}
+    for item in inputs:
+        record = state.records.get(item.key)
+        unchanged = False
+        if record is not None and item.size >= 0 and record["source_hash"]:
+            if record["size"] == item.size and record["mtime_ns"] == item.mtime_ns:
+                unchanged = True
+            elif record["size"] == item.size:
+                try:
+                    unchanged = hash_bytes(read_bytes(item.locator)) == record["source_hash"]
+                except OSError:
+                    unchanged = False
+        if unchanged:
+            kept[item.key] = dict(record, locator=item.locator, size=item.size,
+                                  mtime_ns=item.mtime_ns)
+        else:
+            todo.append(item)
+    return todo, kept
+
+
+@contextlib.contextmanager
+def _single_threaded_env() -> Iterator[None]:
+    """Worker processes inherit one-thread settings for OpenMP/BLAS pools."""
+    saved = {var: os.environ.get(var) for var in THREAD_ENV}
+    os.environ.update({var: "1" for var in THREAD_ENV})
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
+    """Run tasks in-process (one worker) or in a spawn-started process pool; yield as they end."""
+    if workers <= 1 or len(tasks) <= 1:
+        init_worker(config)
+        for task in tasks:
+            yield run_task(task)
+        return
+    context = multiprocessing.get_context("spawn")  # native models and fork do not mix
+    with _single_threaded_env():
+        executor = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
+                                       initializer=init_worker, initargs=(config,))
+    try:
+        pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in tasks}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield future.result()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _rewrite_shards(layout: CacheLayout, state: _State, kept: dict[str, dict[str, Any]],
+                    shard_format: Any, next_seq: int) -> tuple[int, int]:
+    """Copy the live rows of shards that lost rows into new shards; drop shards with none."""
+    live_rows: dict[int, int] = {}
+    for record in kept.values():
+        if record["shard"] >= 0:
+            live_rows[record["shard"]] = live_rows.get(record["shard"], 0) + record["rows"]
+    rewritten = 0
+    for seq in sorted(state.shards):
+        info = state.shards[seq]
+        if live_rows.get(seq, 0) in (0, info.rows):
+            continue
+        schema = schema_from_json(state.schemas[seq])
+        reader = shard_format.open(layout.root / info.path, schema)
+        try:
+            keys = reader.read(columns=["source_key"])["source_key"]
+            keep = [i for i, k in enumerate(keys) if kept.get(k, {}).get("shard") == seq]
+            columns = reader.read(indices=keep)
+        finally:
+            reader.close()
+        name = layout.shard_name(next_seq, shard_format.suffix)
+        tmp = layout.staging / f"{name}.tmp"
+        shard_format.write(tmp, columns, schema)
+        new = ShardInfo(path=f"shards/{name}", rows=len(keep), bytes=tmp.stat().st_size,
+                        checksum=file_checksum(tmp))
+        os.replace(tmp, layout.shards / name)
+        state.shards[next_seq], state.schemas[next_seq] = new, state.schemas[seq]
+        for record in kept.values():
+            if record["shard"] == seq:
+                record["shard"] = next_seq
+        next_seq += 1
+        rewritten += 1
+    return rewritten, next_seq
+
+
+def _write_table(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> str:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+    os.replace(tmp, path)
+    return file_checksum(path)
+
+
+def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
+             records: dict[str, dict[str, Any]], pipeline: Pipeline, params: dict[str, Any],
+             descriptions: list[dict[str, Any]], fp: str, shard_format: str,
+             source: str) -> Manifest:
+    """Write index, errors and then the manifest; delete what the new manifest no longer uses."""
+    ordered = [records[k] for k in sorted(records)]
+    used = sorted({r["shard"] for r in ordered if r["shard"] >= 0})
+    schemas = {json.dumps(state.schemas[seq], sort_keys=True) for seq in used}
+    if len(schemas) > 1:
+        raise RunError(f"shards of '{layout.root}' disagree on their columns ({sorted(schemas)}); "
+                       "the pipeline's ops emit different columns for different inputs")
+    schema = schema_from_json(state.schemas[used[0]]) if used else (
+        old.schema if old is not None and old.fingerprint == fp else {})
+    generation = (old.generation if old is not None else 0) + 1
+    index_path = layout.index(generation)
+    index_sum = _write_table(index_path, ordered, INDEX_SCHEMA)
+    errors = [{k: r[k] for k in ERRORS_SCHEMA.names} for r in ordered if r["status"] == "failed"]
+    errors_sum = _write_table(layout.errors, errors, ERRORS_SCHEMA)
+    counts = {status: sum(r["status"] == status for r in ordered)
+              for status in ("ok", "skipped", "failed")}
+    shards = [state.shards[seq] for seq in used]
+    counts.update(inputs=len(ordered), rows=sum(s.rows for s in shards))
+    from precache import __version__
+
+    manifest = Manifest(
+        pipeline=pipeline.name, pipeline_ref=pipeline.ref, params=params, ops=descriptions,
+        fingerprint=fp, format=shard_format, schema=schema, shards=shards, counts=counts,
+        index={"path": index_path.name, "checksum": index_sum},
+        errors={"path": layout.errors.name, "checksum": errors_sum}, source=source,
+        generation=generation, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        precache_version=__version__,
+    )
+    manifest.save(layout.manifest)
+    keep_files = {Path(s.path).name for s in shards}
+    for path in layout.shards.iterdir():
+        if path.name not in keep_files:
+            path.unlink()
+    for path in layout.root.glob("index-*.parquet"):
+        if path != index_path:
+            path.unlink()
+    shutil.rmtree(layout.journal, ignore_errors=True)
+    shutil.rmtree(layout.staging, ignore_errors=True)
+    return manifest
+
+
+def _describe_failure(record: dict[str, Any]) -> str:
+    return (f"input '{record['locator']}' failed at stage '{record['stage']}': "
+            f"{record['error_type']}: {record['message']}")
+
+
+def run(
+    pipeline: Pipeline | str,
+    input: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    params: dict[str, Any] | None = None,
+    workers: int | None = None,
+    format: str = "parquet",
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    overwrite: bool = False,
+    fail_fast: bool = False,
+    progress: bool = True,
+    log: Any = print,
+) -> RunSummary:
+    """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
+
+    Args:
+        pipeline: a ``Pipeline``, or a name / ``module:attr`` / path that ``load_pipeline`` finds.
+        input: a folder of inputs, one input file, or a ``.txt`` list of paths.
+        output: the cache directory (created if missing).
+        params: overrides of the pipeline's parameters.
+        workers: worker processes (default: the cores). 1 runs in this process.
+        format: ``parquet`` (default) or ``hdf5``.
+        shard_rows: inputs per task, and so rows per shard (one task is one shard).
+        overwrite: replace a cache of another pipeline (or a corrupt one) at ``output``.
+        fail_fast: stop at the first failed input (committed shards are kept for a re-run).
+        progress: show a progress bar.
+        log: where one-line messages go (``print`` by default).
+
+    Returns:
+        A ``RunSummary``.
+
+    Raises:
+        InputError, PipelineError: bad input path, pipeline or parameters.
+        CacheBusyError: another run holds the cache.
+        RunError: the run cannot go on (fail-fast error, crashed worker, refused output).
+    """
+    start = time.perf_counter()
+    if isinstance(pipeline, str):
+        pipeline = load_pipeline(pipeline)
+    if shard_rows <= 0:
+        raise ValueError(f"shard_rows must be positive, got {shard_rows}")
+    shard_format = get_format(format)
+    resolved = pipeline.resolve_params(params)
+    descriptions = [op.describe() for op in pipeline.build_ops(resolved)]
+    fp = fingerprint(descriptions, format)
+    inputs = list_inputs(input, pipeline.extensions)
+    workers = default_workers() if workers is None else max(1, workers)
+    layout = CacheLayout(output)
+
+    if layout.root.exists() and not layout.root.is_dir():
+        raise RunError(f"output '{layout.root}' exists and is not a directory")
+    with CacheLock(layout):
+        old = _prepare_output(layout, pipeline, overwrite)
+        for path in (layout.shards, layout.journal):
+            path.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(layout.staging, ignore_errors=True)
+        layout.staging.mkdir()
+        state = _load_state(layout, old, fp, pipeline.name, shard_format.suffix)
+        todo, kept = _classify(inputs, state)
+        deleted = len(set(state.records) - {item.key for item in inputs})
+        log(f"precache: {len(inputs)} inputs: {len(kept)} unchanged, {len(todo)} to compute"
+            + (f", {deleted} deleted" if deleted else ""))
+
+        first_seq = state.max_seq + 1
+        tasks = [Task(first_seq + i, tuple(todo[s:s + shard_rows]))
+                 for i, s in enumerate(range(0, len(todo), shard_rows))]
+        config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,
+                              cache_root=str(layout.root), format=format, fingerprint=fp,
+                              pipeline_name=pipeline.name, fail_fast=fail_fast)
+        written = 0
+        bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
+                   dynamic_ncols=True)
+        try:
+            for result in _execute(tasks, config, workers):
+                if result.failure is not None:
+                    raise RunError(_describe_failure(result.failure) + " (--fail-fast); shards "
+                                   "finished so far are kept: re-run to resume")
+                for record in result.records:
+                    kept[record["key"]] = record
+                if result.shard is not None:
+                    state.shards[result.seq] = result.shard
+                    state.schemas[result.seq] = result.schema or {}
+                    written += result.shard.bytes
+                bar.update(len(result.records))
+        except BrokenProcessPool:
+            raise RunError("a worker process died (killed, out of memory, or a crash in native "
+                           "code); finished shards are kept: re-run the same command to resume")
+        finally:
+            bar.close()
+
+        rewritten, _ = _rewrite_shards(layout, state, kept, shard_format,
+                                       first_seq + len(tasks))
+        manifest = _publish(layout, old, state, kept, pipeline, resolved, descriptions, fp,
+                            format, str(input))
+    wall = time.perf_counter() - start
+    cache_bytes = sum(p.stat().st_size for p in layout.root.rglob("*") if p.is_file())
+    failures = [r for r in kept.values() if r["status"] == "failed"]
+    return RunSummary(
+        cache=layout.root, inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
+        skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
+        computed=len(todo), reused=len(inputs) - len(todo),
+        deleted=deleted, rewritten_shards=rewritten, wall_s=wall, cache_bytes=cache_bytes,
+        shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
+    )

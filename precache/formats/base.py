@@ -1,0 +1,97 @@
+"""Shard format interface: write one shard from column arrays, read rows back in batches.
+
+Every format stores the same logical schema (see ``precache.schema``); stage 1 writes through
+``ShardFormat.write`` and stage 2 reads through ``ShardFormat.open``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from precache.schema import ColumnSpec
+
+__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "file_checksum", "contiguous_runs"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest records of one shard: its file name, row count, size and checksum."""
+
+    path: str
+    rows: int
+    bytes: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rows": self.rows, "bytes": self.bytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ShardInfo:
+        return cls(path=obj["path"], rows=int(obj["rows"]), bytes=int(obj["bytes"]),
+                   checksum=obj["checksum"])
+
+
+def file_checksum(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, as ``sha256:<hex>``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def contiguous_runs(sorted_indices: np.ndarray) -> list[tuple[int, int]]:
+    """Split sorted row indices into ``(start, stop)`` runs of consecutive rows."""
+    if len(sorted_indices) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_indices) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(sorted_indices)]])
+    return [(int(sorted_indices[a]), int(sorted_indices[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+class ShardReader(ABC):
+    """Reads rows of one shard file; opens the file lazily so it is safe to pass to workers."""
+
+    def __init__(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> None:
+        self.path = Path(path)
+        self.schema = schema
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of rows in the shard."""
+
+    @abstractmethod
+    def read(
+        self, indices: Sequence[int] | np.ndarray | None = None, columns: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Read ``columns`` (default all) of the rows at ``indices`` (default all), in that order.
+
+        ``ndarray`` columns come back as one ``(n, *shape)`` array, scalars as 1-D arrays, ``str``
+        and ``bytes`` columns as lists.
+        """
+
+    def close(self) -> None:
+        """Release the open file, if any."""
+
+
+class ShardFormat(ABC):
+    """One on-disk shard format: a file suffix, a writer and a reader class."""
+
+    name: str
+    suffix: str
+
+    @abstractmethod
+    def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
+        """Write the column arrays to ``path`` (a temporary name; the caller renames it)."""
+
+    @abstractmethod
+    def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:
+        """Return a reader over the shard at ``path``."""

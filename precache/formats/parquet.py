@@ -1,0 +1,105 @@
+"""Parquet shards: each fixed-shape array is one fixed-size binary value holding its raw bytes.
+
+A fixed-size list of uint8 would be stored element by element (4-byte INT32 values with
+repetition levels, 4x the bytes, slow to decode); fixed-length byte arrays are plain bytes, so a
+batch of rows reads back as one contiguous buffer viewed as an ``(n, *shape)`` NumPy array.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from precache.formats.base import ShardFormat, ShardReader
+from precache.schema import ColumnSpec
+
+__all__ = ["ParquetFormat", "ParquetShardReader"]
+
+
+def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
+    if spec.kind == "ndarray":
+        array = np.ascontiguousarray(values, dtype=spec.dtype)
+        width = math.prod(spec.shape) * array.dtype.itemsize
+        return pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(width), len(array), [None, pa.py_buffer(array)]
+        )
+    if spec.kind == "scalar":
+        return pa.array(values)
+    if spec.kind == "str":
+        return pa.array(values, type=pa.string())
+    return pa.array(values, type=pa.large_binary())
+
+
+def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
+    if spec.kind == "ndarray":
+        combined = array.combine_chunks()
+        dtype = np.dtype(spec.dtype)
+        width = math.prod(spec.shape) * dtype.itemsize
+        data = np.frombuffer(combined.buffers()[1], dtype=np.uint8,
+                             count=len(combined) * width, offset=combined.offset * width)
+        return data.view(dtype).reshape(len(combined), *spec.shape)
+    if spec.kind == "scalar":
+        return array.to_numpy()
+    return array.to_pylist()
+
+
+class ParquetShardReader(ShardReader):
+    """Memory-mapped Parquet shard reader."""
+
+    _file: pq.ParquetFile | None = None
+
+    def _open(self) -> pq.ParquetFile:
+        if self._file is None:
+            self._file = pq.ParquetFile(self.path, memory_map=True)
+        return self._file
+
+    def __len__(self) -> int:
+        return self._open().metadata.num_rows
+
+    def read(
+        self, indices: Sequence[int] | np.ndarray | None = None, columns: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        names = list(columns) if columns is not None else list(self.schema)
+        table = self._open().read(columns=names)
+        if indices is not None:
+            table = table.take(pa.array(np.asarray(indices, dtype=np.int64)))
+        return {name: _from_arrow(table.column(name), self.schema[name]) for name in names}
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class ParquetFormat(ShardFormat):
+    """Parquet with no dictionary encoding, statistics or compression on large binary columns.
+
+    pyarrow's defaults made writes of ~50 KB array values about 8x slower (see DESIGN.md); small
+    columns (keys, numbers) keep zstd and statistics.
+    """
+
+    name = "parquet"
+    suffix = ".parquet"
+
+    def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
+        arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
+        table = pa.table(arrays)
+        small = [n for n, s in schema.items() if s.kind in ("scalar", "str")]
+        compression = {n: ("zstd" if n in small else "none") for n in schema}
+        pq.write_table(
+            table,
+            path,
+            compression=compression,
+            use_dictionary=[n for n, s in schema.items() if s.kind == "str"],
+            write_statistics=small,
+            row_group_size=max(1, len(table)),
+        )
+
+    def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:
+        return ParquetShardReader(path, schema)

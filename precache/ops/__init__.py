@@ -1,0 +1,27 @@
+"""Stage-1 ops by name: the one place a new op is registered."""
+
+from __future__ import annotations
+
+from precache.ops.base import FunctionOp, Op, OpResult, Sample, Skip, file_sha256
+from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, ResizeCenterCrop
+
+__all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample", "file_sha256",
+           "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS"]
+
+OPS: dict[str, type[Op]] = {
+    DecodeImage.name: DecodeImage,
+    ResizeCenterCrop.name: ResizeCenterCrop,
+}
+
+
+def get_op(name: str, **params: object) -> Op:
+    """Build the registered op called ``name`` with ``params``.
+
+    Raises:
+        ValueError: no such op.
+    """
+    try:
+        cls = OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; registered ops: {sorted(OPS)}") from None
+    return cls(**params)  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""Column specs: what a cached column holds, inferred from op outputs and recorded in the manifest.
+
+A column is one of four kinds:
+
+- ``ndarray``: a fixed-shape NumPy array per row (a crop, a landmark set). Stored so that a batch of
+  rows is one contiguous ``(n, *shape)`` array on read.
+- ``scalar``: one number per row (``int64``, ``float32``, ``bool`` ...).
+- ``str``: a UTF-8 string per row.
+- ``bytes``: an opaque byte string per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ColumnSpec", "infer_spec", "rows_to_columns", "schema_to_json", "schema_from_json"]
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """The type of one column.
+
+    Args:
+        kind: ``ndarray``, ``scalar``, ``str`` or ``bytes``.
+        dtype: NumPy dtype name for ``ndarray`` and ``scalar`` columns, else ``""``.
+        shape: per-row shape for ``ndarray`` columns, else ``()``.
+    """
+
+    kind: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ColumnSpec:
+        return cls(kind=obj["kind"], dtype=obj.get("dtype", ""), shape=tuple(obj.get("shape", ())))
+
+
+def infer_spec(name: str, value: Any) -> ColumnSpec:
+    """Infer the column spec of one value an op produced.
+
+    Raises:
+        TypeError: the value has a type precache cannot store (say which column, and what to emit).
+    """
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            raise TypeError(f"column {name!r}: object arrays cannot be stored; emit a numeric array")
+        if value.ndim == 0:
+            return ColumnSpec("scalar", value.dtype.name)
+        return ColumnSpec("ndarray", value.dtype.name, tuple(int(d) for d in value.shape))
+    if isinstance(value, (bool, np.bool_)):
+        return ColumnSpec("scalar", "bool")
+    if isinstance(value, (int, np.integer)):
+        return ColumnSpec("scalar", "int64")
+    if isinstance(value, (float, np.floating)):
+        return ColumnSpec("scalar", "float64" if isinstance(value, float) else np.dtype(type(value)).name)
+    if isinstance(value, str):
+        return ColumnSpec("str")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ColumnSpec("bytes")
+    raise TypeError(
+        f"column {name!r}: values of type {type(value).__name__} cannot be stored; "
+        "emit a NumPy array, a number, a str or bytes"
+    )
+
+
+def rows_to_columns(
+    rows: list[dict[str, Any]], schema: dict[str, ColumnSpec]
+) -> dict[str, Any]:
+    """Turn row dicts into one array (or list) per column, checking every row against ``schema``.
+
+    Raises:
+        ValueError: a row lacks a column, or an array's shape or dtype differs from the schema.
+    """
+    columns: dict[str, Any] = {}
+    for name, spec in schema.items():
+        try:
+            values = [row[name] for row in rows]
+        except KeyError:
+            bad = next(row["key"] for row in rows if name not in row)
+            raise ValueError(f"sample {bad!r} lacks column {name!r} that other samples have") from None
+        if spec.kind == "ndarray":
+            for row, value in zip(rows, values):
+                if not isinstance(value, np.ndarray) or value.shape != spec.shape:
+                    got = getattr(value, "shape", type(value).__name__)
+                    raise ValueError(
+                        f"sample {row['key']!r}: column {name!r} has shape {got}, expected "
+                        f"{spec.shape}; ops must emit fixed-shape arrays (resize or pad first)"
+                    )
+            columns[name] = np.stack(values).astype(spec.dtype, copy=False) if values else np.empty(
+                (0, *spec.shape), dtype=spec.dtype
+            )
+        elif spec.kind == "scalar":
+            columns[name] = np.asarray(values, dtype=spec.dtype)
+        elif spec.kind == "str":
+            columns[name] = [str(v) for v in values]
+        else:
+            columns[name] = [bytes(v) for v in values]
+    extra = {k for row in rows for k in row} - set(schema)
+    if extra:
+        raise ValueError(f"columns {sorted(extra)} appear in some samples but not in the schema")
+    return columns
+
+
+def schema_to_json(schema: dict[str, ColumnSpec]) -> dict[str, Any]:
+    """Serialise a schema for the manifest."""
+    return {name: spec.to_json() for name, spec in schema.items()}
+
+
+def schema_from_json(obj: dict[str, Any]) -> dict[str, ColumnSpec]:
+    """Read a schema from the manifest."""
+    return {name: ColumnSpec.from_json(spec) for name, spec in obj.items()}

@@ -1,0 +1,101 @@
+"""Stage-1 inputs: list a folder (or a list file) as sorted ``Input``s; read and hash their bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "hash_bytes", "LIST_SUFFIXES"]
+
+LIST_SUFFIXES = (".txt", ".lst")
+"""An ``--input`` file with one of these suffixes is a list of input paths, one per line."""
+
+
+class InputError(ValueError):
+    """The ``--input`` path cannot be listed (missing, empty, or of an unknown kind)."""
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input file: ``key`` (stable id: the path relative to the input root, POSIX style),
+    ``locator`` (where to read it), and its size and modification time (-1 if ``stat`` failed)."""
+
+    key: str
+    locator: str
+    size: int
+    mtime_ns: int
+
+
+def _stat_input(key: str, path: Path) -> Input:
+    try:
+        st = path.stat()
+        return Input(key, str(path), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return Input(key, str(path), -1, -1)  # listed, but reading it will fail with the reason
+
+
+def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if name.startswith(".") or not name.lower().endswith(extensions):
+                continue
+            path = Path(dirpath) / name
+            yield _stat_input(path.relative_to(root).as_posix(), path)
+
+
+def _read_list(list_file: Path) -> Iterable[Input]:
+    base = list_file.parent
+    for line in list_file.read_text(encoding="utf-8").splitlines():
+        entry = line.strip()
+        if entry and not entry.startswith("#"):
+            path = Path(entry) if Path(entry).is_absolute() else base / entry
+            yield _stat_input(entry, path)
+
+
+def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> list[Input]:
+    """List the inputs under ``path``, sorted by key.
+
+    ``path`` is a folder (searched recursively for files ending in ``extensions``; hidden files
+    and folders are ignored), a single matching file, or a ``.txt``/``.lst`` file listing paths
+    (relative to the list file's folder).
+
+    Raises:
+        InputError: the path does not exist, matches nothing, or is a file of another kind.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise InputError(f"input path '{root}' does not exist")
+    if root.is_dir():
+        inputs = list(_walk(root, extensions))
+    elif root.name.lower().endswith(extensions):
+        inputs = [_stat_input(root.name, root)]
+    elif root.suffix.lower() in LIST_SUFFIXES:
+        inputs = list(_read_list(root))
+    else:
+        raise InputError(
+            f"input '{root}' is neither a folder, a file ending in {', '.join(extensions)}, "
+            f"nor a list of paths ({', '.join(LIST_SUFFIXES)})"
+        )
+    if not inputs:
+        raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
+    inputs.sort(key=lambda item: item.key)
+    keys = [item.key for item in inputs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise InputError(f"input '{root}' lists '{dup}' more than once")
+    return inputs
+
+
+def read_bytes(locator: str) -> bytes:
+    """Read an input's bytes (raises ``OSError`` with the reason if it cannot)."""
+    with open(locator, "rb") as f:
+        return f.read()
+
+
+def hash_bytes(data: bytes) -> str:
+    """The ``source_hash`` of an input: BLAKE2b-128 of its bytes, hex."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

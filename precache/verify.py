@@ -1,0 +1,84 @@
+"""Check a cache end to end: every shard's checksum, row count and decodability, and the tables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from precache.cache import Cache
+from precache.formats import file_checksum
+
+__all__ = ["Problem", "verify"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a cache: the file and what is wrong with it."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def _check_shard(cache: Cache, i: int) -> str | None:
+    info = cache.manifest.shards[i]
+    path = cache.shard_path(i)
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != info.bytes:
+        return f"size {size} bytes, manifest says {info.bytes} (truncated or replaced)"
+    checksum = file_checksum(path)
+    if checksum != info.checksum:
+        return f"checksum {checksum} does not match the manifest's {info.checksum}"
+    reader = cache.reader(i)
+    try:
+        if len(reader) != info.rows:
+            return f"{len(reader)} rows, manifest says {info.rows}"
+        columns = reader.read()
+    except Exception as e:  # noqa: BLE001 - any failure to decode is the finding
+        return f"cannot be decoded ({type(e).__name__}: {e})"
+    finally:
+        reader.close()
+    for name, spec in cache.manifest.schema.items():
+        values = columns[name]
+        if len(values) != info.rows:
+            return f"column {name!r} has {len(values)} values, expected {info.rows}"
+        if spec.kind in ("ndarray", "scalar"):
+            array = np.asarray(values)
+            if array.shape[1:] != spec.shape or array.dtype.name != spec.dtype:
+                return (f"column {name!r} is {array.dtype}{list(array.shape[1:])}, schema says "
+                        f"{spec.dtype}{list(spec.shape)}")
+    return None
+
+
+def verify(path: str | os.PathLike[str]) -> list[Problem]:
+    """Re-read every file of the cache at ``path``; return the problems found (empty if sound).
+
+    Raises:
+        ManifestError: there is no readable manifest (nothing else can be checked).
+    """
+    cache = Cache(path)
+    problems: list[Problem] = []
+    for i, info in enumerate(cache.manifest.shards):
+        reason = _check_shard(cache, i)
+        if reason:
+            problems.append(Problem(info.path, reason))
+    for table in (cache.manifest.index, cache.manifest.errors):
+        table_path = Path(path) / table["path"]
+        if not table_path.is_file():
+            problems.append(Problem(table["path"], "missing"))
+        elif file_checksum(table_path) != table["checksum"]:
+            problems.append(Problem(table["path"], "checksum does not match the manifest"))
+    if not problems:
+        index = cache.read_index()
+        listed = sum(index.column("rows").to_pylist())
+        if listed != cache.manifest.rows:
+            problems.append(Problem(cache.manifest.index["path"],
+                                    f"lists {listed} rows, shards hold {cache.manifest.rows}"))
+    return problems
