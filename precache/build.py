@@ -100,9 +100,6 @@ class _State:
 def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) -> Manifest | None:
     """Check the output may be written; clear it with ``overwrite``; return the old manifest."""
     root = layout.root
-    if root.exists() and any(root.iterdir()) and not layout.looks_like_cache():
-        raise RunError(f"output '{root}' is not empty and holds no precache cache; "
-                       "choose a new or empty directory")
     old: Manifest | None = None
     if layout.manifest.exists():
         try:
@@ -366,6 +363,9 @@ def run(
 
     if layout.root.exists() and not layout.root.is_dir():
         raise RunError(f"output '{layout.root}' exists and is not a directory")
+    if layout.root.exists() and any(layout.root.iterdir()) and not layout.looks_like_cache():
+        raise RunError(f"output '{layout.root}' is not empty and holds no precache cache; "
+                       "choose a new or empty directory")
     with CacheLock(layout):
         old = _prepare_output(layout, pipeline, overwrite)
         for path in (layout.shards, layout.journal):

@@ -1,0 +1,64 @@
+"""Shared fixtures: small real photos (cut from scikit-image's), a call-counting pipeline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from skimage import data
+
+REPO = Path(__file__).resolve().parents[1]
+COUNTING_PIPELINE = str(Path(__file__).with_name("counting_pipeline.py"))
+
+
+def write_photos(folder: Path, count: int, seed: int = 0, size: int = 48) -> list[Path]:
+    """Write ``count`` small JPEG/PNG crops of real photos (astronaut, coffee, chelsea)."""
+    rng = np.random.default_rng(seed)
+    photos = [data.astronaut(), data.coffee(), data.chelsea()]
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        y = int(rng.integers(0, photo.shape[0] - 2 * size))
+        x = int(rng.integers(0, photo.shape[1] - 2 * size))
+        crop = photo[y:y + size + int(rng.integers(0, size)), x:x + size + int(rng.integers(0, size))]
+        path = folder / f"img{i:04d}.{'jpg' if i % 3 else 'png'}"
+        Image.fromarray(np.ascontiguousarray(crop)).save(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture
+def photos(tmp_path: Path) -> Path:
+    """A folder of 24 small real photos."""
+    folder = tmp_path / "photos"
+    write_photos(folder, 24)
+    return folder
+
+
+@pytest.fixture
+def call_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Path of the op-call log the counting pipeline appends to (in this process and children)."""
+    path = tmp_path / "calls.log"
+    monkeypatch.setenv("PRECACHE_CALL_LOG", str(path))
+    return path
+
+
+def read_calls(path: Path) -> list[str]:
+    """Keys logged by the counting pipeline, in call order."""
+    if not path.exists():
+        return []
+    return [line.split(" ", 1)[1] for line in path.read_text().splitlines() if line]
+
+
+def precache_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+                 **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run the real ``precache`` command (``python -m precache``) in a subprocess."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "precache", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, cwd=REPO, **kwargs)

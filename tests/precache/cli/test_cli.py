@@ -1,0 +1,117 @@
+"""The ``precache`` command as a user meets it: real subprocesses, exit codes, messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from precache import Cache
+from tests.conftest import COUNTING_PIPELINE, REPO, precache_cli
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,
+                          fragment: str) -> None:
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("precache: error:"), result.stderr
+    assert fragment in lines[0]
+
+
+def test_run_prints_counts_and_inspect_and_verify_agree(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    result = precache_cli("run", "images", "-i", str(photos), "-o", str(out), "-q",
+                          "--set", "size=32", "--shard-rows", "10")
+    assert result.returncode == 0, result.stderr
+    assert "24 inputs -> 24 ok, 0 skipped, 0 failed" in result.stdout
+    assert "samples/s" in result.stdout and "rows" in result.stdout
+    described = json.loads(precache_cli("inspect", str(out), "--json").stdout)
+    assert described["counts"]["ok"] == 24 and len(described["shards"]) == 3
+    assert described["schema"]["image"] == {"kind": "ndarray", "dtype": "uint8",
+                                            "shape": [32, 32, 3]}
+    assert described["ops"][1]["params"] == {"size": 32}
+    text = precache_cli("inspect", str(out)).stdout
+    assert "fingerprint" in text and "uint8[32, 32, 3]" in text
+    ok = precache_cli("verify", str(out))
+    assert ok.returncode == 0 and "verified" in ok.stdout
+
+
+def test_verify_names_each_damaged_shard(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    precache_cli("run", "images", "-i", str(photos), "-o", str(out), "-q", "--shard-rows", "10")
+    shards = [out / s.path for s in Cache(out).manifest.shards]
+    data = bytearray(shards[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[0].write_bytes(bytes(data))
+    shards[2].write_bytes(shards[2].read_bytes()[:100])
+    result = precache_cli("verify", str(out))
+    assert result.returncode == 1
+    assert shards[0].name in result.stderr and "checksum" in result.stderr
+    assert shards[2].name in result.stderr and "truncated" in result.stderr
+    assert shards[1].name not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["run", "images", "-i", "/no/such/folder", "-o", "OUT"], "does not exist"),
+        (["run", "nosuchpipeline", "-i", "PHOTOS", "-o", "OUT"], "unknown pipeline 'nosuchpipeline'"),
+        (["run", "images", "-i", "PHOTOS", "-o", "OUT", "--set", "size=big"], "expected a value of type int"),
+        (["run", "images", "-i", "PHOTOS", "-o", "OUT", "--set", "colour=red"], "no parameter 'colour'"),
+        (["run", "images", "-i", "PHOTOS", "-o", "OUT", "--set", "size"], "expected key=value"),
+        (["run", "images", "-i", "PHOTOS", "-o", "OUT", "--set", "size=-3"], "size must be positive"),
+        (["run", "images", "-i", "PHOTOS", "-o", "OUT", "--workers", "0"], "--workers"),
+        (["inspect", "PHOTOS"], "not a precache cache"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2_or_1(photos: Path, tmp_path: Path,
+                                                    args: list[str], fragment: str) -> None:
+    args = [a.replace("PHOTOS", str(photos)).replace("OUT", str(tmp_path / "out")) for a in args]
+    result = precache_cli(*args)
+    assert_one_line_error(result, 1 if args[0] == "inspect" else 2, fragment)
+
+
+def test_help_lists_pipelines_and_their_parameters() -> None:
+    result = precache_cli("run", "--help")
+    assert result.returncode == 0
+    assert "images" in result.stdout and "size=128" in result.stdout
+    assert "--shard-rows" in result.stdout and "--fail-fast" in result.stdout
+
+
+def test_fail_fast_exits_1_naming_the_file(tmp_path: Path, photos: Path) -> None:
+    (photos / "broken.jpg").write_text("not a jpeg")
+    result = precache_cli("run", "images", "-i", str(photos), "-o", str(tmp_path / "c"),
+                          "-q", "--fail-fast")
+    assert result.returncode == 1
+    assert "broken.jpg" in result.stderr and "not a recognised image" in result.stderr
+    result = precache_cli("run", "images", "-i", str(photos), "-o", str(tmp_path / "d"), "-q")
+    assert result.returncode == 0 and "1 failed" in result.stdout and "broken.jpg" in result.stdout
+
+
+def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "precache", "run", COUNTING_PIPELINE, "-i", str(photos), "-o",
+         str(out), "-q", "--workers", "1", "--shard-rows", "4", "--set", "delay=0.1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((out / "journal").glob("part-*.json")):
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    second = precache_cli("run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(out), "-q")
+    assert_one_line_error(second, 1, "being written by another precache run")
+    assert f"pid {first.pid}" in second.stderr
+    assert first.wait(timeout=120) == 0, first.stderr.read() if first.stderr else ""
+    assert precache_cli("verify", str(out)).returncode == 0
+    assert Cache(out).manifest.counts["ok"] == 24
+
+
+def test_module_and_console_script_agree() -> None:
+    script = Path(sys.executable).with_name("precache")
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("precache ")

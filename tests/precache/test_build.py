@@ -1,0 +1,206 @@
+"""Stage-1 runner behaviour on real files: determinism, incremental re-runs, bad inputs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import precache
+from precache import Cache, RunError
+from precache.cache import CacheLayout
+from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
+
+
+def quiet_run(input: Path, output: Path, **kwargs: object) -> precache.RunSummary:
+    kwargs.setdefault("shard_rows", 5)
+    return precache.run(kwargs.pop("pipeline", COUNTING_PIPELINE), input, output,
+                        progress=False, log=lambda *_: None, **kwargs)
+
+
+def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:
+    return [(s.path, s.rows, s.checksum) for s in Cache(cache).manifest.shards]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
+def test_one_and_two_workers_write_identical_shards(photos: Path, tmp_path: Path, fmt: str,
+                                                    call_log: Path) -> None:
+    one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt)
+    two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt)
+    assert one.ok == two.ok == 24 and one.rows == 24
+    assert shard_checksums(tmp_path / "w1") == shard_checksums(tmp_path / "w2")
+    assert len(shard_checksums(tmp_path / "w1")) == 5  # 24 inputs, 5 per shard
+    keys = Cache(tmp_path / "w2").read_all(["key"])["key"]
+    assert keys == sorted(p.name for p in photos.iterdir())
+    pids = {line.split()[0] for line in call_log.read_text().splitlines()}
+    assert str(os.getpid()) in pids and len(pids) >= 2  # w1 ran here, w2 in other processes
+
+
+def test_parquet_and_hdf5_hold_the_same_arrays(photos: Path, tmp_path: Path) -> None:
+    quiet_run(photos, tmp_path / "pq", pipeline="images", format="parquet", workers=1)
+    quiet_run(photos, tmp_path / "h5", pipeline="images", format="hdf5", workers=1)
+    a, b = Cache(tmp_path / "pq").read_all(), Cache(tmp_path / "h5").read_all()
+    assert a["key"] == b["key"]
+    np.testing.assert_array_equal(a["image"], b["image"])
+    assert a["image"].shape == (24, 128, 128, 3)
+    np.testing.assert_array_equal(a["orig_height"], b["orig_height"])
+
+
+def test_rerun_on_unchanged_inputs_does_no_op_work(photos: Path, tmp_path: Path,
+                                                   call_log: Path) -> None:
+    quiet_run(photos, tmp_path / "c", workers=2)
+    assert sorted(read_calls(call_log)) == sorted(p.name for p in photos.iterdir())
+    before = shard_checksums(tmp_path / "c")
+    call_log.unlink()
+    again = quiet_run(photos, tmp_path / "c", workers=2)
+    assert read_calls(call_log) == [] and again.computed == 0 and again.reused == 24
+    assert shard_checksums(tmp_path / "c") == before
+
+
+def test_only_added_changed_and_deleted_inputs_are_touched(photos: Path, tmp_path: Path,
+                                                           call_log: Path) -> None:
+    out = tmp_path / "c"
+    quiet_run(photos, out, workers=1)
+    first = Cache(out).read_all()
+    call_log.unlink()
+    changed, deleted = photos / "img0004.jpg", photos / "img0009.png"
+    write_photos(tmp_path / "other", 5, seed=7)
+    os.replace(tmp_path / "other" / "img0004.jpg", changed)         # new content, same name
+    deleted.unlink()
+    os.replace(tmp_path / "other" / "img0001.jpg", photos / "new.jpg")
+    touched = photos / "img0010.jpg"
+    os.utime(touched, ns=(1, 1))                                     # new mtime, same content
+    summary = quiet_run(photos, out, workers=2)
+    assert sorted(read_calls(call_log)) == ["img0004.jpg", "new.jpg"]
+    assert summary.computed == 2 and summary.deleted == 1
+    after = Cache(out).read_all()
+    # new and changed rows sit in new shards at the end; the set equals a fresh build's
+    assert sorted(after["key"]) == sorted(p.name for p in photos.iterdir())
+    assert len(set(after["key"])) == len(after["key"])
+    old = dict(zip(first["key"], first["image"]))
+    new = dict(zip(after["key"], after["image"]))
+    for key in new:
+        if key not in ("img0004.jpg", "new.jpg"):
+            np.testing.assert_array_equal(new[key], old[key])   # copied, not recomputed
+    assert not np.array_equal(new["img0004.jpg"], old["img0004.jpg"])
+    assert precache.verify(out) == []
+    names = {p.name for p in (out / "shards").iterdir()}
+    assert names == {Path(s.path).name for s in Cache(out).manifest.shards}  # no stale shards
+
+
+def test_changing_a_parameter_or_op_version_rebuilds(photos: Path, tmp_path: Path,
+                                                     call_log: Path) -> None:
+    out = tmp_path / "c"
+    first = quiet_run(photos, out, workers=1)
+    fp = Cache(out).manifest.fingerprint
+    call_log.unlink()
+    quiet_run(photos, out, workers=1, params={"size": 20})
+    assert len(read_calls(call_log)) == 24
+    manifest = Cache(out).manifest
+    assert manifest.fingerprint != fp and manifest.schema["image"].shape == (20, 20, 3)
+    assert Cache(out).read_all(["image"])["image"].shape == (24, 20, 20, 3)
+    call_log.unlink()
+    quiet_run(photos, out, workers=1, params={"size": 20, "version": "2"})
+    assert len(read_calls(call_log)) == 24 and first.ok == 24
+
+
+def make_bad_inputs(folder: Path) -> dict[str, str]:
+    """Write broken inputs beside good ones; return file name -> expected message fragment."""
+    write_photos(folder, 6)
+    good = (folder / "img0001.jpg").read_bytes()
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (folder / "notes.jpg").write_text("this is a text file, not a picture\n")
+    (folder / "gone.jpg").symlink_to(folder / "does-not-exist.jpg")
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
+    (folder / "bomb.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+                                      + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return {"empty.jpg": "empty", "truncated.jpg": "truncated", "notes.jpg": "not a recognised",
+            "gone.jpg": "No such file", "bomb.png": "max_pixels"}
+
+
+def test_bad_inputs_land_in_the_errors_table_and_the_run_goes_on(tmp_path: Path) -> None:
+    expected = make_bad_inputs(tmp_path / "in")
+    summary = quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=2)
+    assert (summary.ok, summary.failed, summary.skipped) == (6, 5, 0)
+    errors = {r["key"]: r for r in Cache(tmp_path / "c").read_errors().to_pylist()}
+    assert set(errors) == set(expected)
+    for name, fragment in expected.items():
+        assert fragment in errors[name]["message"], errors[name]
+        assert errors[name]["locator"].endswith(name)
+        assert errors[name]["stage"] == ("read" if name == "gone.jpg" else "decode_image")
+    manifest = Cache(tmp_path / "c").manifest
+    assert manifest.counts == {"ok": 6, "skipped": 0, "failed": 5, "inputs": 11, "rows": 6}
+
+
+def test_fail_fast_stops_with_the_reason_and_keeps_no_manifest(tmp_path: Path) -> None:
+    make_bad_inputs(tmp_path / "in")
+    with pytest.raises(RunError, match="bomb.png.*decode_image.*max_pixels"):
+        quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1, fail_fast=True)
+    assert not CacheLayout(tmp_path / "c").manifest.exists()
+
+
+def test_skip_is_recorded_with_reason_and_not_retried(tmp_path: Path, photos: Path) -> None:
+    pipeline_file = tmp_path / "skipping.py"
+    pipeline_file.write_text(
+        "from precache import Pipeline, FunctionOp, Skip\n"
+        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+        "def skip_png(sample):\n"
+        "    if sample['key'].endswith('.png'):\n"
+        "        raise Skip('no_face')\n"
+        "    return sample\n"
+        "def make_ops():\n"
+        "    return [FunctionOp(skip_png), DecodeImage(), ResizeCenterCrop(size=8)]\n"
+        "pipeline = Pipeline('skipping', make_ops, IMAGE_EXTENSIONS)\n")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=2)
+    assert (summary.ok, summary.skipped, summary.failed) == (16, 8, 0)
+    index = Cache(tmp_path / "c").read_index().to_pylist()
+    skipped = [r for r in index if r["status"] == "skipped"]
+    assert {r["message"] for r in skipped} == {"no_face"} and len(skipped) == 8
+    assert quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file)).computed == 0
+
+
+def test_output_of_another_pipeline_is_refused_unless_overwrite(photos: Path,
+                                                                tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    quiet_run(photos, out, pipeline="images", workers=1)
+    with pytest.raises(RunError, match="pipeline 'images'.*--overwrite"):
+        quiet_run(photos, out, workers=1)
+    assert precache.verify(out) == []  # untouched
+    quiet_run(photos, out, workers=1, overwrite=True)
+    assert Cache(out).manifest.pipeline == "counting"
+
+
+def test_a_folder_that_is_not_a_cache_is_refused(photos: Path, tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="not empty and holds no precache cache"):
+        quiet_run(photos, photos, workers=1)
+
+
+def test_one_input_can_give_several_rows(tmp_path: Path, photos: Path) -> None:
+    pipeline_file = tmp_path / "fanout.py"
+    pipeline_file.write_text(
+        "from precache import Pipeline, FunctionOp\n"
+        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+        "def two_halves(sample):\n"
+        "    image = sample.pop('image')\n"
+        "    return [dict(sample, image=image[:, :8].copy(), half=i) for i in range(2)]\n"
+        "def make_ops():\n"
+        "    return [DecodeImage(), ResizeCenterCrop(size=16), FunctionOp(two_halves)]\n"
+        "pipeline = Pipeline('fanout', make_ops, IMAGE_EXTENSIONS)\n")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=2)
+    assert summary.ok == 24 and summary.rows == 48
+    rows = Cache(tmp_path / "c").read_all(["key", "source_key", "half"])
+    assert rows["key"][:2] == ["img0000.png#0", "img0000.png#1"]
+    assert rows["source_key"][:2] == ["img0000.png", "img0000.png"]
+    (photos / "img0000.png").unlink()
+    again = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=1)
+    assert again.rows == 46 and "img0000.png" not in Cache(tmp_path / "c").read_all(
+        ["source_key"])["source_key"]

@@ -1,0 +1,48 @@
+"""Finding pipelines, typing ``--set`` overrides, and fingerprints of plain-function ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from precache import FunctionOp, PipelineError, load_pipeline
+from precache.pipeline import fingerprint
+
+
+def test_installed_pipeline_and_its_typed_overrides() -> None:
+    pipeline = load_pipeline("images")
+    assert pipeline.name == "images" and pipeline.defaults()["size"] == 128
+    assert pipeline.parse_overrides(["size=64", "max_pixels=1000"]) == {"size": 64,
+                                                                         "max_pixels": 1000}
+    with pytest.raises(PipelineError, match="type int"):
+        pipeline.parse_overrides(["size=1.5"])
+
+
+def test_pipeline_from_module_attr_and_from_file(tmp_path: Path) -> None:
+    assert load_pipeline("pipelines.images.pipeline:pipeline").name == "images"
+    path = tmp_path / "mine.py"
+    path.write_text("from precache import Pipeline\n"
+                    "def make_ops(flag: bool = False, name: str = 'a'):\n    return []\n"
+                    "pipeline = Pipeline('mine', make_ops, ('.jpg',))\n")
+    pipeline = load_pipeline(str(path))
+    assert pipeline.ref == str(path.resolve())
+    assert pipeline.parse_overrides(["flag=yes", "name=b=c"]) == {"flag": True, "name": "b=c"}
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(PipelineError, match="no variable named 'pipeline'"):
+        load_pipeline(str(tmp_path / "empty.py"))
+    with pytest.raises(PipelineError, match="does not exist"):
+        load_pipeline(str(tmp_path / "missing.py"))
+
+
+def double(sample: dict) -> dict:
+    return sample
+
+
+def test_function_op_fingerprint_follows_name_params_and_source() -> None:
+    base = fingerprint([FunctionOp(double).describe()], "parquet")
+    assert base == fingerprint([FunctionOp(double).describe()], "parquet")
+    assert base != fingerprint([FunctionOp(double, params={"k": 1}).describe()], "parquet")
+    assert base != fingerprint([FunctionOp(double, version="2").describe()], "parquet")
+    assert base != fingerprint([FunctionOp(double).describe()], "hdf5")
+    assert FunctionOp(double).version.startswith("src-")
