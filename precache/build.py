@@ -47,6 +47,9 @@ from precache.worker import (
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
 
 DEFAULT_SHARD_ROWS = 256
+MIN_TASKS = 8
+"""With the default shard size, small runs are split into at least this many shards (of at least
+16 inputs) so that every worker has work."""
 
 
 class RunError(RuntimeError):
@@ -129,7 +132,11 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str,
         state.referenced |= {Path(s.path).name for s in old.shards}
         state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
         if old.fingerprint == fp:
-            index = pq.read_table(layout.root / old.index["path"]).to_pylist()
+            try:
+                index = pq.read_table(layout.root / old.index["path"]).to_pylist()
+            except (OSError, pa.ArrowInvalid) as e:
+                raise RunError(f"the index of cache '{layout.root}' is unreadable ({e}); "
+                               "use --overwrite to rebuild the cache") from None
             state.records = {r["key"]: r for r in index}
             for info in old.shards:
                 seq = layout.shard_seq(info.path)
@@ -319,7 +326,7 @@ def run(
     params: dict[str, Any] | None = None,
     workers: int | None = None,
     format: str = "parquet",
-    shard_rows: int = DEFAULT_SHARD_ROWS,
+    shard_rows: int | None = None,
     overwrite: bool = False,
     fail_fast: bool = False,
     progress: bool = True,
@@ -334,7 +341,8 @@ def run(
         params: overrides of the pipeline's parameters.
         workers: worker processes (default: the cores). 1 runs in this process.
         format: ``parquet`` (default) or ``hdf5``.
-        shard_rows: inputs per task, and so rows per shard (one task is one shard).
+        shard_rows: inputs per task, and so rows per shard (one task is one shard). Default
+            256, or fewer for small runs so there are at least 8 shards (of at least 16).
         overwrite: replace a cache of another pipeline (or a corrupt one) at ``output``.
         fail_fast: stop at the first failed input (committed shards are kept for a re-run).
         progress: show a progress bar.
@@ -351,7 +359,7 @@ def run(
     start = time.perf_counter()
     if isinstance(pipeline, str):
         pipeline = load_pipeline(pipeline)
-    if shard_rows <= 0:
+    if shard_rows is not None and shard_rows <= 0:
         raise ValueError(f"shard_rows must be positive, got {shard_rows}")
     shard_format = get_format(format)
     resolved = pipeline.resolve_params(params)
@@ -379,6 +387,8 @@ def run(
             + (f", {deleted} deleted" if deleted else ""))
 
         first_seq = state.max_seq + 1
+        if shard_rows is None:
+            shard_rows = min(DEFAULT_SHARD_ROWS, max(16, -(-len(todo) // MIN_TASKS)))
         tasks = [Task(first_seq + i, tuple(todo[s:s + shard_rows]))
                  for i, s in enumerate(range(0, len(todo), shard_rows))]
         config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,

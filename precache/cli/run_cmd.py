@@ -55,8 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"worker processes (default: the cores, here {default_workers()})")
     parser.add_argument("--format", choices=sorted(FORMATS), default="parquet",
                         help="shard format (default: parquet)")
-    parser.add_argument("--shard-rows", type=int, default=DEFAULT_SHARD_ROWS,
-                        help=f"inputs per shard (default: {DEFAULT_SHARD_ROWS})")
+    parser.add_argument("--shard-rows", type=int, default=None,
+                        help=f"inputs per shard (default: {DEFAULT_SHARD_ROWS}, or fewer for small "
+                        "runs so there are at least 8 shards of at least 16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a pipeline parameter (repeatable)")
     parser.add_argument("--overwrite", action="store_true",
@@ -86,7 +87,7 @@ def print_summary(summary: RunSummary) -> None:
 def run_command(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise PipelineError(f"--workers must be at least 1, got {args.workers}")
-    if args.shard_rows < 1:
+    if args.shard_rows is not None and args.shard_rows < 1:
         raise PipelineError(f"--shard-rows must be at least 1, got {args.shard_rows}")
     pipeline = load_pipeline(args.pipeline)
     overrides = pipeline.parse_overrides(args.overrides)
