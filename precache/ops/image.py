@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import cv2
@@ -77,32 +78,47 @@ class DecodeImage(Op):
 
     def setup(self) -> None:
         cv2.setNumThreads(1)
+        # Pillow refuses headers over 2 x Image.MAX_IMAGE_PIXELS itself; let max_pixels decide.
+        if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < self.max_pixels:
+            Image.MAX_IMAGE_PIXELS = self.max_pixels
 
     def _probe(self, data: bytes) -> tuple[str, int]:
         """Read the header: return (format, EXIF orientation); refuse oversized images."""
         if not data:
             raise ValueError("empty file (0 bytes)")
         try:
-            with Image.open(io.BytesIO(data)) as header:
-                width, height = header.size
-                fmt = header.format or "unknown"
-                orientation = int(header.getexif().get(_EXIF_ORIENTATION, 1) or 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                header = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as e:
-            raise ValueError(f"refused by the pixel limit before decoding: {e}") from None
+            raise ValueError(f"refused without decoding, over the pixel limit "
+                             f"(max_pixels={self.max_pixels:,}): {e}") from None
         except UnidentifiedImageError:
             raise ValueError("not a recognised image format") from None
-        if width * height > self.max_pixels:
-            raise ValueError(
-                f"header claims {width}x{height} = {width * height:,} pixels, over the limit "
-                f"max_pixels={self.max_pixels:,}; refused without decoding (raise it with "
-                f"--set max_pixels=N if the image is genuine)"
-            )
-        return fmt, orientation
+        except (OSError, SyntaxError) as e:
+            raise ValueError(f"unreadable image header: {e}") from None
+        with header:
+            width, height = header.size
+            fmt = header.format or "unknown"
+            if width * height > self.max_pixels:
+                raise ValueError(
+                    f"header claims {width}x{height} = {width * height:,} pixels, over the limit "
+                    f"max_pixels={self.max_pixels:,}; refused without decoding (raise it with "
+                    f"--set max_pixels=N if the image is genuine)"
+                )
+            try:
+                # PngImageFile.getexif() decodes every pixel to look for an eXIf chunk after the
+                # image data; the base method reads only what the header gave.
+                exif = Image.Image.getexif(header) if fmt == "PNG" else header.getexif()
+            except (OSError, SyntaxError) as e:
+                raise ValueError(f"unreadable image header: {e}") from None
+        orientation = exif.get(_EXIF_ORIENTATION, 1)
+        return fmt, orientation if orientation in range(1, 9) else 1
 
     def __call__(self, sample: Sample) -> Sample:
         data = sample.pop("data")
         fmt, orientation = self._probe(data)
-        if fmt == "JPEG" and not _jpeg_is_complete(data):
+        if fmt in ("JPEG", "MPO") and not _jpeg_is_complete(data):  # MPO: phone JPEGs
             raise ValueError("truncated JPEG (no end-of-image marker after the last scan)")
         flags = cv2.IMREAD_COLOR | cv2.IMREAD_ANYDEPTH | cv2.IMREAD_IGNORE_ORIENTATION
         image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
