@@ -412,6 +412,9 @@ def run(
         except BrokenProcessPool:
             raise RunError("a worker process died (killed, out of memory, or a crash in native "
                            "code); finished shards are kept: re-run the same command to resume")
+        except OSError as e:
+            raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
+                           "cause and re-run the same command to resume") from None
         finally:
             bar.close()
 

@@ -155,8 +155,12 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
                     next_live.append((i, child))
                 if not result:
                     skipped[i] = (op.name, "no rows")
-            else:
+            elif isinstance(result, dict):
                 next_live.append((i, result))
+            else:
+                _fail(records[i], op.name, TypeError(
+                    f"op returned {type(result).__name__}; return the sample dict, a list of "
+                    "sample dicts, or raise Skip(reason)"))
         live = [(i, s) for i, s in next_live if records[i]["status"] != "failed"]
     has_rows = {i for i, _ in live}
     for i, (stage, reason) in skipped.items():

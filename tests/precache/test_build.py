@@ -204,3 +204,20 @@ def test_one_input_can_give_several_rows(tmp_path: Path, photos: Path) -> None:
     again = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=1)
     assert again.rows == 46 and "img0000.png" not in Cache(tmp_path / "c").read_all(
         ["source_key"])["source_key"]
+
+
+def test_an_op_returning_nothing_fails_that_input_only(tmp_path: Path, photos: Path) -> None:
+    pipeline_file = tmp_path / "forgetful.py"
+    pipeline_file.write_text(
+        "from precache import Pipeline, FunctionOp\n"
+        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+        "def forget(sample):\n"
+        "    return None if sample['key'] == 'img0004.jpg' else sample\n"
+        "def make_ops():\n"
+        "    return [DecodeImage(), ResizeCenterCrop(size=8), FunctionOp(forget)]\n"
+        "pipeline = Pipeline('forgetful', make_ops, IMAGE_EXTENSIONS)\n")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=1)
+    assert (summary.ok, summary.failed) == (23, 1)
+    error = Cache(tmp_path / "c").read_errors().to_pylist()[0]
+    assert error["key"] == "img0004.jpg" and error["stage"] == "forget"
+    assert "returned NoneType" in error["message"]
