@@ -20,6 +20,18 @@ def quiet_run(input: Path, output: Path, **kwargs: object) -> precache.RunSummar
                         progress=False, log=lambda *_: None, **kwargs)
 
 
+def function_pipeline(folder: Path, name: str, function_source: str, ops: str) -> str:
+    """Write a pipeline file named ``name`` that defines ``function_source`` and ``ops``."""
+    path = folder / f"{name}.py"
+    path.write_text(
+        "from precache import Pipeline, FunctionOp, Skip\n"
+        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+        f"{function_source}\n"
+        f"def make_ops():\n    return {ops}\n"
+        f"pipeline = Pipeline({name!r}, make_ops, IMAGE_EXTENSIONS)\n")
+    return str(path)
+
+
 def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:
     return [(s.path, s.rows, s.checksum) for s in Cache(cache).manifest.shards]
 
@@ -149,23 +161,19 @@ def test_fail_fast_stops_with_the_reason_and_keeps_no_manifest(tmp_path: Path) -
 
 
 def test_skip_is_recorded_with_reason_and_not_retried(tmp_path: Path, photos: Path) -> None:
-    pipeline_file = tmp_path / "skipping.py"
-    pipeline_file.write_text(
-        "from precache import Pipeline, FunctionOp, Skip\n"
-        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+    pipeline_file = function_pipeline(
+        tmp_path, "skipping",
         "def skip_png(sample):\n"
         "    if sample['key'].endswith('.png'):\n"
         "        raise Skip('no_face')\n"
-        "    return sample\n"
-        "def make_ops():\n"
-        "    return [FunctionOp(skip_png), DecodeImage(), ResizeCenterCrop(size=8)]\n"
-        "pipeline = Pipeline('skipping', make_ops, IMAGE_EXTENSIONS)\n")
-    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=2)
+        "    return sample\n",
+        "[FunctionOp(skip_png), DecodeImage(), ResizeCenterCrop(size=8)]")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=2)
     assert (summary.ok, summary.skipped, summary.failed) == (16, 8, 0)
     index = Cache(tmp_path / "c").read_index().to_pylist()
     skipped = [r for r in index if r["status"] == "skipped"]
     assert {r["message"] for r in skipped} == {"no_face"} and len(skipped) == 8
-    assert quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file)).computed == 0
+    assert quiet_run(photos, tmp_path / "c", pipeline=pipeline_file).computed == 0
 
 
 def test_output_of_another_pipeline_is_refused_unless_overwrite(photos: Path,
@@ -185,38 +193,30 @@ def test_a_folder_that_is_not_a_cache_is_refused(photos: Path, tmp_path: Path) -
 
 
 def test_one_input_can_give_several_rows(tmp_path: Path, photos: Path) -> None:
-    pipeline_file = tmp_path / "fanout.py"
-    pipeline_file.write_text(
-        "from precache import Pipeline, FunctionOp\n"
-        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+    pipeline_file = function_pipeline(
+        tmp_path, "fanout",
         "def two_halves(sample):\n"
         "    image = sample.pop('image')\n"
-        "    return [dict(sample, image=image[:, :8].copy(), half=i) for i in range(2)]\n"
-        "def make_ops():\n"
-        "    return [DecodeImage(), ResizeCenterCrop(size=16), FunctionOp(two_halves)]\n"
-        "pipeline = Pipeline('fanout', make_ops, IMAGE_EXTENSIONS)\n")
-    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=2)
+        "    return [dict(sample, image=image[:, :8].copy(), half=i) for i in range(2)]\n",
+        "[DecodeImage(), ResizeCenterCrop(size=16), FunctionOp(two_halves)]")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=2)
     assert summary.ok == 24 and summary.rows == 48
     rows = Cache(tmp_path / "c").read_all(["key", "source_key", "half"])
     assert rows["key"][:2] == ["img0000.png#0", "img0000.png#1"]
     assert rows["source_key"][:2] == ["img0000.png", "img0000.png"]
     (photos / "img0000.png").unlink()
-    again = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=1)
+    again = quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=1)
     assert again.rows == 46 and "img0000.png" not in Cache(tmp_path / "c").read_all(
         ["source_key"])["source_key"]
 
 
 def test_an_op_returning_nothing_fails_that_input_only(tmp_path: Path, photos: Path) -> None:
-    pipeline_file = tmp_path / "forgetful.py"
-    pipeline_file.write_text(
-        "from precache import Pipeline, FunctionOp\n"
-        "from precache.ops import DecodeImage, ResizeCenterCrop, IMAGE_EXTENSIONS\n"
+    pipeline_file = function_pipeline(
+        tmp_path, "forgetful",
         "def forget(sample):\n"
-        "    return None if sample['key'] == 'img0004.jpg' else sample\n"
-        "def make_ops():\n"
-        "    return [DecodeImage(), ResizeCenterCrop(size=8), FunctionOp(forget)]\n"
-        "pipeline = Pipeline('forgetful', make_ops, IMAGE_EXTENSIONS)\n")
-    summary = quiet_run(photos, tmp_path / "c", pipeline=str(pipeline_file), workers=1)
+        "    return None if sample['key'] == 'img0004.jpg' else sample\n",
+        "[DecodeImage(), ResizeCenterCrop(size=8), FunctionOp(forget)]")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=1)
     assert (summary.ok, summary.failed) == (23, 1)
     error = Cache(tmp_path / "c").read_errors().to_pylist()[0]
     assert error["key"] == "img0004.jpg" and error["stage"] == "forget"
