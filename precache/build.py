@@ -5,7 +5,8 @@ Rules (also in the README):
 
 - **Incremental**: an input is recomputed only if it is new, or its size or modification time
   changed *and* its content hash differs from the cached ``source_hash``. Rows of deleted and
-  changed inputs are dropped (the shards that held them are rewritten without them, by copying).
+  changed inputs are listed as deleted in their shard's manifest entry (no copy); a shard more
+  than half deleted is rewritten with its live rows.
 - **Fingerprint**: each op's name, version, parameters and model-file hashes, plus the shard
   format. If it differs from the cache's, every input is recomputed; the old cache stays readable
   until the new manifest replaces it.
@@ -18,6 +19,7 @@ Rules (also in the README):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -77,6 +79,7 @@ class RunSummary:
     computed: int
     reused: int
     deleted: int
+    touched_shards: int
     rewritten_shards: int
     wall_s: float
     cache_bytes: int
@@ -149,7 +152,7 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str,
             entry = {}
         shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
         usable = (entry.get("fingerprint") == fp and entry.get("pipeline") == name
-                  and (shard is None or (layout.root / shard.path).is_file()))
+                  and (shard is None or _file_size(layout.root / shard.path) == shard.bytes))
         if not usable:
             entry_path.unlink()
             continue
@@ -165,6 +168,13 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str,
         if path.name not in state.referenced:
             path.unlink()  # an orphan: written by a run that died before journaling it
     return state
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str, dict[str, Any]]]:
@@ -217,7 +227,9 @@ def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[
         executor = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
                                        initializer=init_worker, initargs=(config,))
     try:
-        pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in tasks}
+        # Largest first (by input bytes), so no big task starts last and leaves a worker idle.
+        by_size = sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
+        pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in by_size}
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -226,39 +238,50 @@ def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _rewrite_shards(layout: CacheLayout, state: _State, kept: dict[str, dict[str, Any]],
-                    shard_format: Any, next_seq: int) -> tuple[int, int]:
-    """Copy the live rows of shards that lost rows into new shards; drop shards with none."""
-    live_rows: dict[int, int] = {}
+COMPACT_FRACTION = 0.5
+"""A shard more than this fraction deleted is rewritten with only its live rows."""
+
+
+def _drop_stale_rows(layout: CacheLayout, state: _State, kept: dict[str, dict[str, Any]],
+                     shard_format: Any, next_seq: int) -> tuple[int, int]:
+    """Mark rows of changed and deleted inputs as deleted in their shards (a manifest change, no
+    copy); rewrite a shard once most of it is deleted. Returns (shards touched, rewritten)."""
+    owned_rows: dict[int, int] = {}
     for record in kept.values():
         if record["shard"] >= 0:
-            live_rows[record["shard"]] = live_rows.get(record["shard"], 0) + record["rows"]
-    rewritten = 0
+            owned_rows[record["shard"]] = owned_rows.get(record["shard"], 0) + record["rows"]
+    touched = rewritten = 0
     for seq in sorted(state.shards):
         info = state.shards[seq]
-        if live_rows.get(seq, 0) in (0, info.rows):
-            continue
+        owned = owned_rows.get(seq, 0)
+        if owned in (0, info.live_rows):
+            continue  # untouched, or no live rows left (the manifest will not list it)
         schema = schema_from_json(state.schemas[seq])
         reader = shard_format.open(layout.root / info.path, schema)
         try:
             keys = reader.read(columns=["source_key"])["source_key"]
-            keep = [i for i, k in enumerate(keys) if kept.get(k, {}).get("shard") == seq]
-            columns = reader.read(indices=keep)
+            live = [i for i, k in enumerate(keys) if kept.get(k, {}).get("shard") == seq]
+            touched += 1
+            if len(live) >= (1 - COMPACT_FRACTION) * info.rows:
+                dead = sorted(set(range(info.rows)) - set(live))
+                state.shards[seq] = dataclasses.replace(info, deleted=tuple(dead))
+                continue
+            columns = reader.read(indices=live)
         finally:
             reader.close()
         name = layout.shard_name(next_seq, shard_format.suffix)
         tmp = layout.staging / f"{name}.tmp"
         shard_format.write(tmp, columns, schema)
-        new = ShardInfo(path=f"shards/{name}", rows=len(keep), bytes=tmp.stat().st_size,
-                        checksum=file_checksum(tmp))
+        state.shards[next_seq] = ShardInfo(path=f"shards/{name}", rows=len(live),
+                                           bytes=tmp.stat().st_size, checksum=file_checksum(tmp))
         os.replace(tmp, layout.shards / name)
-        state.shards[next_seq], state.schemas[next_seq] = new, state.schemas[seq]
+        state.schemas[next_seq] = state.schemas[seq]
         for record in kept.values():
             if record["shard"] == seq:
                 record["shard"] = next_seq
         next_seq += 1
         rewritten += 1
-    return rewritten, next_seq
+    return touched, rewritten
 
 
 def _write_table(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> str:
@@ -289,7 +312,7 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
     counts = {status: sum(r["status"] == status for r in ordered)
               for status in ("ok", "skipped", "failed")}
     shards = [state.shards[seq] for seq in used]
-    counts.update(inputs=len(ordered), rows=sum(s.rows for s in shards))
+    counts.update(inputs=len(ordered), rows=sum(s.live_rows for s in shards))
     from precache import __version__
 
     manifest = Manifest(
@@ -418,8 +441,8 @@ def run(
         finally:
             bar.close()
 
-        rewritten, _ = _rewrite_shards(layout, state, kept, shard_format,
-                                       first_seq + len(tasks))
+        touched, rewritten = _drop_stale_rows(layout, state, kept, shard_format,
+                                              first_seq + len(tasks))
         manifest = _publish(layout, old, state, kept, pipeline, resolved, descriptions, fp,
                             format, str(input))
     wall = time.perf_counter() - start
@@ -429,6 +452,7 @@ def run(
         cache=layout.root, inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
         skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
         computed=len(todo), reused=len(inputs) - len(todo),
-        deleted=deleted, rewritten_shards=rewritten, wall_s=wall, cache_bytes=cache_bytes,
+        deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,
+        cache_bytes=cache_bytes,
         shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
     )

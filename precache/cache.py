@@ -147,17 +147,20 @@ class Cache:
         return self.layout.root / self.manifest.shards[i].path
 
     def reader(self, i: int) -> ShardReader:
-        """A reader over shard ``i`` (in manifest order)."""
+        """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
+        manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
         return self.format.open(self.shard_path(i), self.manifest.schema)
 
     def read_all(self, columns: list[str] | None = None) -> dict[str, Any]:
-        """All rows of ``columns`` (default all), concatenated in shard order (small caches)."""
+        """All rows of ``columns`` (default all), concatenated in shard order, without deleted
+        rows (for small caches and tests; stage 2 reads batches)."""
         names = columns or list(self.manifest.schema)
         parts = []
         for i in range(len(self.manifest.shards)):
             reader = self.reader(i)
+            info = self.manifest.shards[i]
             try:
-                parts.append(reader.read(columns=names))
+                parts.append(reader.read(info.live_indices() if info.deleted else None, names))
             finally:
                 reader.close()
         out: dict[str, Any] = {}

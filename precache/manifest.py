@@ -23,13 +23,16 @@ class ManifestError(ValueError):
     """``manifest.json`` is missing, unreadable or of an unknown format version."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    ``fsync`` also makes it survive a power cut, not only a crash of the process."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -68,8 +71,8 @@ class Manifest:
 
     @property
     def rows(self) -> int:
-        """Total rows over all shards."""
-        return sum(s.rows for s in self.shards)
+        """Rows in the cache (over all shards, not counting deleted rows)."""
+        return sum(s.live_rows for s in self.shards)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -97,5 +97,6 @@ def read_bytes(locator: str) -> bytes:
 
 
 def hash_bytes(data: bytes) -> str:
-    """The ``source_hash`` of an input: BLAKE2b-128 of its bytes, hex."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """The ``source_hash`` of an input: SHA-256 of its bytes, first 128 bits in hex (SHA-256 runs
+    at about twice BLAKE2b's speed on CPUs with SHA instructions)."""
+    return hashlib.sha256(data).hexdigest()[:32]

@@ -36,6 +36,8 @@ def _check_shard(cache: Cache, i: int) -> str | None:
     checksum = file_checksum(path)
     if checksum != info.checksum:
         return f"checksum {checksum} does not match the manifest's {info.checksum}"
+    if info.deleted and not (0 <= info.deleted[0] and info.deleted[-1] < info.rows):
+        return f"deleted rows {info.deleted[0]}..{info.deleted[-1]} outside 0..{info.rows - 1}"
     reader = cache.reader(i)
     try:
         if len(reader) != info.rows:

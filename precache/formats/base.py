@@ -22,20 +22,39 @@ __all__ = ["ShardInfo", "ShardFormat", "ShardReader", "file_checksum", "contiguo
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What the manifest records of one shard: its file name, row count, size and checksum."""
+    """What the manifest records of one shard: its file name, row count, size and checksum.
+
+    ``rows`` counts the rows in the file. ``deleted`` lists rows (sorted indices) that are no
+    longer part of the cache because their input changed or was deleted: an incremental run marks
+    them instead of copying the shard, and rewrites the shard once most of it is deleted.
+    """
 
     path: str
     rows: int
     bytes: int
     checksum: str
+    deleted: tuple[int, ...] = ()
+
+    @property
+    def live_rows(self) -> int:
+        """Rows that belong to the cache."""
+        return self.rows - len(self.deleted)
+
+    def live_indices(self) -> np.ndarray:
+        """Indices of the rows that belong to the cache, ascending."""
+        if not self.deleted:
+            return np.arange(self.rows, dtype=np.int64)
+        return np.setdiff1d(np.arange(self.rows, dtype=np.int64),
+                            np.asarray(self.deleted, dtype=np.int64))
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rows": self.rows, "bytes": self.bytes, "checksum": self.checksum}
+        return {"path": self.path, "rows": self.rows, "bytes": self.bytes,
+                "checksum": self.checksum, "deleted": list(self.deleted)}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ShardInfo:
         return cls(path=obj["path"], rows=int(obj["rows"]), bytes=int(obj["bytes"]),
-                   checksum=obj["checksum"])
+                   checksum=obj["checksum"], deleted=tuple(int(i) for i in obj.get("deleted", ())))
 
 
 def file_checksum(path: str | os.PathLike[str]) -> str:

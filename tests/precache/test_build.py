@@ -97,6 +97,11 @@ def test_only_added_changed_and_deleted_inputs_are_touched(photos: Path, tmp_pat
         if key not in ("img0004.jpg", "new.jpg"):
             np.testing.assert_array_equal(new[key], old[key])   # copied, not recomputed
     assert not np.array_equal(new["img0004.jpg"], old["img0004.jpg"])
+    # stale rows are marked deleted in the manifest, not copied away
+    shards = Cache(out).manifest.shards
+    assert (summary.touched_shards, summary.rewritten_shards) == (2, 0)
+    assert sorted(len(s.deleted) for s in shards if s.deleted) == [1, 1]
+    assert Cache(out).manifest.rows == 24 == sum(s.rows for s in shards) - 2
     assert precache.verify(out) == []
     names = {p.name for p in (out / "shards").iterdir()}
     assert names == {Path(s.path).name for s in Cache(out).manifest.shards}  # no stale shards
@@ -221,3 +226,16 @@ def test_an_op_returning_nothing_fails_that_input_only(tmp_path: Path, photos: P
     error = Cache(tmp_path / "c").read_errors().to_pylist()[0]
     assert error["key"] == "img0004.jpg" and error["stage"] == "forget"
     assert "returned NoneType" in error["message"]
+
+
+def test_a_mostly_deleted_shard_is_rewritten(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    quiet_run(photos, out, workers=1)
+    for name in ("img0000.png", "img0001.jpg", "img0002.jpg"):   # 3 of the first shard's 5
+        (photos / name).unlink()
+    summary = quiet_run(photos, out, workers=1)
+    assert (summary.computed, summary.deleted, summary.rewritten_shards) == (0, 3, 1)
+    manifest = Cache(out).manifest
+    assert all(not s.deleted for s in manifest.shards) and manifest.rows == 21
+    assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())
+    assert precache.verify(out) == []
