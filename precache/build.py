@@ -18,7 +18,6 @@ Rules (also in the README):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -42,9 +41,7 @@ from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
 from precache.sources import Input, hash_bytes, list_inputs, read_bytes
-from precache.worker import (
-    THREAD_ENV, Task, TaskResult, WorkerConfig, init_worker, new_record, run_task,
-)
+from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task, threads_pinned
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
 
@@ -126,8 +123,7 @@ def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) ->
     return old
 
 
-def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str,
-                shard_suffix: str) -> _State:
+def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -> _State:
     """Collect records and shards from the old manifest (same fingerprint) and the journal of an
     interrupted run; delete journal entries of other fingerprints and orphan shard files."""
     state = _State()
@@ -200,36 +196,22 @@ def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str
     return todo, kept
 
 
-@contextlib.contextmanager
-def _single_threaded_env() -> Iterator[None]:
-    """Worker processes inherit one-thread settings for OpenMP/BLAS pools."""
-    saved = {var: os.environ.get(var) for var in THREAD_ENV}
-    os.environ.update({var: "1" for var in THREAD_ENV})
-    try:
-        yield
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-
-
 def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
     """Run tasks in-process (one worker) or in a spawn-started process pool; yield as they end."""
     if workers <= 1 or len(tasks) <= 1:
-        init_worker(config)
-        for task in tasks:
-            yield run_task(task)
+        with threads_pinned():
+            init_worker(config)
+            for task in tasks:
+                yield run_task(task)
         return
     context = multiprocessing.get_context("spawn")  # native models and fork do not mix
-    with _single_threaded_env():
-        executor = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
-                                       initializer=init_worker, initargs=(config,))
+    executor = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
+                                   initializer=init_worker, initargs=(config,))
     try:
         # Largest first (by input bytes), so no big task starts last and leaves a worker idle.
         by_size = sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
-        pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in by_size}
+        with threads_pinned():  # workers start at the first submit and inherit this environment
+            pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in by_size}
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -403,7 +385,7 @@ def run(
             path.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(layout.staging, ignore_errors=True)
         layout.staging.mkdir()
-        state = _load_state(layout, old, fp, pipeline.name, shard_format.suffix)
+        state = _load_state(layout, old, fp, pipeline.name)
         todo, kept = _classify(inputs, state)
         deleted = len(set(state.records) - {item.key for item in inputs})
         log(f"precache: {len(inputs)} inputs: {len(kept)} unchanged, {len(todo)} to compute"

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 from precache.cache import Cache
+from precache.pipeline import op_fingerprint
 
 __all__ = ["describe_cache", "format_description"]
 
@@ -28,7 +29,7 @@ def describe_cache(path: str | os.PathLike[str], *, examples: int = 5) -> dict[s
         "params": m.params,
         "format": m.format,
         "fingerprint": m.fingerprint,
-        "ops": m.ops,
+        "ops": [dict(op, fingerprint=op_fingerprint(op)) for op in m.ops],
         "schema": {name: spec.to_json() for name, spec in m.schema.items()},
         "counts": m.counts,
         "shards": [s.to_json() for s in m.shards],
@@ -68,7 +69,7 @@ def format_description(d: dict[str, Any], *, max_shards: int = 10) -> str:
     ]
     for op in d["ops"]:
         weights = f"  weights {op['weights']}" if op["weights"] else ""
-        lines.append(f"  {op['name']} v{op['version']}  {op['params']}{weights}")
+        lines.append(f"  {op['name']} v{op['version']}  {op['fingerprint']}  {op['params']}{weights}")
     lines.append("schema")
     for name, spec in d["schema"].items():
         shape = f"{spec['dtype']}{spec['shape']}" if spec["kind"] == "ndarray" else spec["dtype"]

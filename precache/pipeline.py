@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from precache.ops.base import Op
 
-__all__ = ["Pipeline", "PipelineError", "load_pipeline", "available_pipelines", "fingerprint"]
+__all__ = ["Pipeline", "PipelineError", "load_pipeline", "available_pipelines", "fingerprint",
+           "op_fingerprint"]
 
 ENTRY_POINT_GROUP = "precache.pipelines"
 
@@ -167,6 +168,11 @@ def load_pipeline(ref: str) -> Pipeline:
     if not isinstance(obj, Pipeline):
         raise PipelineError(f"'{ref}' is a {type(obj).__name__}, not a precache Pipeline")
     return Pipeline(obj.name, obj.make_ops, obj.extensions, obj.description, ref=resolved)
+
+
+def op_fingerprint(description: dict[str, Any]) -> str:
+    """A short hash of one op's name, version, parameters and weight hashes."""
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def fingerprint(descriptions: list[dict[str, Any]], shard_format: str) -> str:

@@ -38,13 +38,22 @@ def _stat_input(key: str, path: Path) -> Input:
 
 
 def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if name.startswith(".") or not name.lower().endswith(extensions):
-                continue
-            path = Path(dirpath) / name
-            yield _stat_input(path.relative_to(root).as_posix(), path)
+    """Files under ``root`` ending in ``extensions``; hidden entries and links to folders skipped."""
+    folders = [("", str(root))]
+    while folders:
+        prefix, folder = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((f"{prefix}{entry.name}/", entry.path))
+                elif entry.name.lower().endswith(extensions):
+                    try:
+                        st = entry.stat()
+                        yield Input(prefix + entry.name, entry.path, st.st_size, st.st_mtime_ns)
+                    except OSError:  # a broken link: listed, and reading it fails with the reason
+                        yield Input(prefix + entry.name, entry.path, -1, -1)
 
 
 def _read_list(list_file: Path) -> Iterable[Input]:

@@ -9,12 +9,15 @@ run; a journal entry means the task's inputs are done and are never computed aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import numpy as np
 
 from precache.cache import CacheLayout
 from precache.formats import ShardInfo, file_checksum, get_format
@@ -25,6 +28,7 @@ from precache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_j
 from precache.sources import Input, hash_bytes, read_bytes
 
 __all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "pin_threads",
+           "threads_pinned",
            "NOT_STORED", "new_record"]
 
 NOT_STORED = ("data", "locator")
@@ -84,6 +88,30 @@ def pin_threads() -> None:
     cv2.setNumThreads(1)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
+
+
+@contextlib.contextmanager
+def threads_pinned() -> Iterator[None]:
+    """``pin_threads`` for the duration of a block, then restore the caller's settings (a run in
+    the caller's process must not leave its torch or OpenCV single-threaded)."""
+    import cv2
+
+    env = {var: os.environ.get(var) for var in THREAD_ENV}
+    cv2_threads = cv2.getNumThreads()
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    pin_threads()
+    try:
+        yield
+    finally:
+        for var, value in env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        cv2.setNumThreads(cv2_threads)
+        if torch is not None and torch_threads is not None:
+            torch.set_num_threads(torch_threads)
 
 
 _ops: list[Op] = []
@@ -170,11 +198,16 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
 
 
 def _check_row(row: Sample, schema: dict[str, ColumnSpec]) -> None:
-    specs = {name: infer_spec(name, value) for name, value in row.items()}
-    if specs != schema:
-        diff = sorted(n for n in set(specs) | set(schema) if specs.get(n) != schema.get(n))
-        details = "; ".join(f"{n}: {specs.get(n)} vs {schema.get(n)}" for n in diff)
-        raise ValueError(f"row differs from the other rows' columns ({details})")
+    if row.keys() != schema.keys():
+        raise ValueError(f"row has columns {sorted(row)}, the other rows {sorted(schema)}")
+    for name, spec in schema.items():
+        value = row[name]
+        if spec.kind == "ndarray" and isinstance(value, np.ndarray):
+            if value.shape == spec.shape and value.dtype.name == spec.dtype:
+                continue  # the common case, checked without building a spec
+        got = infer_spec(name, value)
+        if got != spec:
+            raise ValueError(f"column {name!r} is {got}, the other rows' is {spec}")
 
 
 def _validate(rows: list[Sample], records: list[dict[str, Any]], index: dict[str, int],

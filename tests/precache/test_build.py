@@ -239,3 +239,24 @@ def test_a_mostly_deleted_shard_is_rewritten(photos: Path, tmp_path: Path) -> No
     assert all(not s.deleted for s in manifest.shards) and manifest.rows == 21
     assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())
     assert precache.verify(out) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ops_run_single_threaded_and_the_caller_keeps_its_threads(
+        tmp_path: Path, photos: Path, workers: int) -> None:
+    import cv2
+
+    pipeline_file = function_pipeline(
+        tmp_path, "threads",
+        "import os, cv2\n"
+        "def threads(sample):\n"
+        "    sample['omp'] = os.environ.get('OMP_NUM_THREADS', '')\n"
+        "    sample['cv2_threads'] = cv2.getNumThreads()\n"
+        "    return sample\n",
+        "[DecodeImage(), ResizeCenterCrop(size=8), FunctionOp(threads)]")
+    cv2.setNumThreads(2)
+    omp_before = os.environ.get("OMP_NUM_THREADS")
+    quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=workers)
+    rows = Cache(tmp_path / "c").read_all(["omp", "cv2_threads"])
+    assert set(rows["omp"]) == {"1"} and set(rows["cv2_threads"].tolist()) == {1}
+    assert cv2.getNumThreads() == 2 and os.environ.get("OMP_NUM_THREADS") == omp_before

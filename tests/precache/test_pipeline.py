@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
-from precache import FunctionOp, PipelineError, load_pipeline
-from precache.pipeline import fingerprint
+from precache import FunctionOp, Op, PipelineError, load_pipeline
+from precache.pipeline import fingerprint, op_fingerprint
 
 
 def test_installed_pipeline_and_its_typed_overrides() -> None:
@@ -46,3 +47,26 @@ def test_function_op_fingerprint_follows_name_params_and_source() -> None:
     assert base != fingerprint([FunctionOp(double, version="2").describe()], "parquet")
     assert base != fingerprint([FunctionOp(double).describe()], "hdf5")
     assert FunctionOp(double).version.startswith("src-")
+
+
+class WeightedOp(Op):
+    """An op that 'loads' a model file, to check its hash joins the fingerprint."""
+
+    name = "weighted"
+
+    def __init__(self, *, path: Path) -> None:
+        self.path = path
+
+    def weight_files(self) -> list[Path]:
+        return [self.path]
+
+
+def test_model_file_contents_change_the_fingerprint(tmp_path: Path) -> None:
+    weights = tmp_path / "model.onnx"
+    weights.write_bytes(b"weights v1")
+    first = WeightedOp(path=weights).describe()
+    assert first["weights"] == {"model.onnx": hashlib.sha256(b"weights v1").hexdigest()}
+    weights.write_bytes(b"weights v2")
+    second = WeightedOp(path=weights).describe()
+    assert fingerprint([first], "parquet") != fingerprint([second], "parquet")
+    assert op_fingerprint(first) != op_fingerprint(second)
