@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -197,27 +198,40 @@ def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str
 
 
 def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
-    """Run tasks in-process (one worker) or in a spawn-started process pool; yield as they end."""
-    if workers <= 1 or len(tasks) <= 1:
-        with threads_pinned():
-            init_worker(config)
-            for task in tasks:
-                yield run_task(task)
-        return
-    context = multiprocessing.get_context("spawn")  # native models and fork do not mix
-    executor = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
-                                   initializer=init_worker, initargs=(config,))
-    try:
-        # Largest first (by input bytes), so no big task starts last and leaves a worker idle.
-        by_size = sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
-        with threads_pinned():  # workers start at the first submit and inherit this environment
-            pending: set[Future[TaskResult]] = {executor.submit(run_task, t) for t in by_size}
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                yield future.result()
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+    """Run tasks here and, for ``workers`` > 1, in ``workers - 1`` spawn-started processes.
+
+    This process is one of the workers, so the others' start-up (about half a second of imports
+    and model loading) overlaps with work done here. Tasks go out largest first (by input bytes)
+    so that no big task starts last and leaves the others idle (in one process they go in key
+    order, so --fail-fast stops at the first failing input); each child keeps one task queued.
+    """
+    children = min(workers - 1, len(tasks) - 1)
+    if children > 0:
+        tasks = sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
+    queue = deque(tasks)
+    executor = None
+    pending: set[Future[TaskResult]] = set()
+    with threads_pinned():  # children start at the first submit and inherit this environment
+        init_worker(config)
+        if children > 0:
+            context = multiprocessing.get_context("spawn")  # native models and fork do not mix
+            executor = ProcessPoolExecutor(max_workers=children, mp_context=context,
+                                           initializer=init_worker, initargs=(config,))
+        try:
+            while queue or pending:
+                while executor is not None and queue and len(pending) < 2 * children:
+                    pending.add(executor.submit(run_task, queue.popleft()))
+                if queue:
+                    yield run_task(queue.popleft())
+                    done = {future for future in pending if future.done()}
+                else:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                pending -= done
+                for future in done:
+                    yield future.result()
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
 
 
 COMPACT_FRACTION = 0.5
