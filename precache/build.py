@@ -47,9 +47,9 @@ from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_tas
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
 
 DEFAULT_SHARD_ROWS = 256
-MIN_TASKS = 8
+MIN_TASKS = 32
 """With the default shard size, small runs are split into at least this many shards (of at least
-16 inputs) so that every worker has work."""
+16 inputs), fine enough that workers finish together."""
 
 
 class RunError(RuntimeError):
@@ -218,8 +218,9 @@ def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[
             executor = ProcessPoolExecutor(max_workers=children, mp_context=context,
                                            initializer=init_worker, initargs=(config,))
         try:
+            queued_per_child = 1  # while the children start up, hold back all but one task each
             while queue or pending:
-                while executor is not None and queue and len(pending) < 2 * children:
+                while executor is not None and queue and len(pending) < queued_per_child * children:
                     pending.add(executor.submit(run_task, queue.popleft()))
                 if queue:
                     yield run_task(queue.popleft())
@@ -227,6 +228,8 @@ def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[
                 else:
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 pending -= done
+                if done:
+                    queued_per_child = 2
                 for future in done:
                     yield future.result()
         finally:
@@ -361,7 +364,7 @@ def run(
         workers: worker processes (default: the cores). 1 runs in this process.
         format: ``parquet`` (default) or ``hdf5``.
         shard_rows: inputs per task, and so rows per shard (one task is one shard). Default
-            256, or fewer for small runs so there are at least 8 shards (of at least 16).
+            256, or fewer for small runs so there are at least 32 shards (of at least 16).
         overwrite: replace a cache of another pipeline (or a corrupt one) at ``output``.
         fail_fast: stop at the first failed input (committed shards are kept for a re-run).
         progress: show a progress bar.

@@ -57,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="shard format (default: parquet)")
     parser.add_argument("--shard-rows", type=int, default=None,
                         help=f"inputs per shard (default: {DEFAULT_SHARD_ROWS}, or fewer for small "
-                        "runs so there are at least 8 shards of at least 16)")
+                        "runs so there are at least 32 shards of at least 16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a pipeline parameter (repeatable)")
     parser.add_argument("--overwrite", action="store_true",

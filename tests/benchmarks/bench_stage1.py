@@ -48,7 +48,7 @@ from pipelines.images.pipeline import pipeline  # noqa: E402
 from precache.sources import list_inputs  # noqa: E402
 from precache.worker import pin_threads  # noqa: E402
 
-SHARD_ROWS = 64
+SHARD_ROWS: int | None = None  # None: precache's default (at least 32 shards for small runs)
 GOAL_W1 = 0.95
 GOAL_W2 = 0.90
 GOAL_INCREMENTAL = 0.05
@@ -230,11 +230,15 @@ def _verdict(ok: bool) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=int, default=400, help="sample images (default 400)")
+    parser.add_argument("--count", type=int, default=1600, help="sample images (default 1600)")
+    parser.add_argument("--shard-rows", type=int, default=None,
+                        help="inputs per shard (default: precache's own default)")
     parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (best kept)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="work in this folder and keep it (default: a temporary folder)")
     args = parser.parse_args()
+    global SHARD_ROWS
+    SHARD_ROWS = args.shard_rows
     if args.count < 2 or args.repeat < 1:
         parser.error("--count must be >= 2 and --repeat >= 1")
 
@@ -258,7 +262,7 @@ def _bench(work: Path, count: int, repeat: int) -> int:
     print(f"precache stage-1 benchmark: {len(inputs)} images ({input_bytes / 1e6:.1f} MB) made in "
           f"{time.perf_counter() - t0:.1f} s under {work}")
     print(f"python {sys.version.split()[0]}, cores available: {precache.build.default_workers()}, "
-          f"shard_rows={SHARD_ROWS}, repeats={repeat} (best kept, interleaved)\n")
+          f"shard_rows={SHARD_ROWS or 'default'}, repeats={repeat} (best kept, interleaved)\n")
 
     paths = [(i.key, i.locator) for i in inputs]
     bare = BareOps(paths)
