@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import shutil
 import time
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,7 +38,8 @@ from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
 from precache.sources import Input, hash_bytes, list_inputs, read_bytes
-from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task, threads_pinned
+from precache.executor import WorkerDied, run_tasks
+from precache.worker import Task, WorkerConfig
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
 
@@ -195,46 +192,6 @@ def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str
         else:
             todo.append(item)
     return todo, kept
-
-
-def _execute(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
-    """Run tasks here and, for ``workers`` > 1, in ``workers - 1`` spawn-started processes.
-
-    This process is one of the workers, so the others' start-up (about half a second of imports
-    and model loading) overlaps with work done here. Tasks go out largest first (by input bytes)
-    so that no big task starts last and leaves the others idle (in one process they go in key
-    order, so --fail-fast stops at the first failing input); each child keeps one task queued.
-    """
-    children = min(workers - 1, len(tasks) - 1)
-    if children > 0:
-        tasks = sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
-    queue = deque(tasks)
-    executor = None
-    pending: set[Future[TaskResult]] = set()
-    with threads_pinned():  # children start at the first submit and inherit this environment
-        init_worker(config)
-        if children > 0:
-            context = multiprocessing.get_context("spawn")  # native models and fork do not mix
-            executor = ProcessPoolExecutor(max_workers=children, mp_context=context,
-                                           initializer=init_worker, initargs=(config,))
-        try:
-            queued_per_child = 1  # while the children start up, hold back all but one task each
-            while queue or pending:
-                while executor is not None and queue and len(pending) < queued_per_child * children:
-                    pending.add(executor.submit(run_task, queue.popleft()))
-                if queue:
-                    yield run_task(queue.popleft())
-                    done = {future for future in pending if future.done()}
-                else:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                pending -= done
-                if done:
-                    queued_per_child = 2
-                for future in done:
-                    yield future.result()
-        finally:
-            if executor is not None:
-                executor.shutdown(wait=True, cancel_futures=True)
 
 
 COMPACT_FRACTION = 0.5
@@ -420,7 +377,7 @@ def run(
         bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
                    dynamic_ncols=True)
         try:
-            for result in _execute(tasks, config, workers):
+            for result in run_tasks(tasks, config, workers):
                 if result.failure is not None:
                     raise RunError(_describe_failure(result.failure) + " (--fail-fast); shards "
                                    "finished so far are kept: re-run to resume")
@@ -431,9 +388,9 @@ def run(
                     state.schemas[result.seq] = result.schema or {}
                     written += result.shard.bytes
                 bar.update(len(result.records))
-        except BrokenProcessPool:
-            raise RunError("a worker process died (killed, out of memory, or a crash in native "
-                           "code); finished shards are kept: re-run the same command to resume")
+        except WorkerDied as e:
+            raise RunError(f"{e}\nfinished shards are kept: re-run the same command to resume "
+                           "(a worker killed, out of memory, or crashing in native code)") from None
         except OSError as e:
             raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
                            "cause and re-run the same command to resume") from None

@@ -39,8 +39,9 @@ def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
 def test_one_and_two_workers_write_identical_shards(photos: Path, tmp_path: Path, fmt: str,
                                                     call_log: Path) -> None:
-    one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt)
-    two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt)
+    slow = {"delay": 0.04}  # enough work for the spawned worker to start and take tasks
+    one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt, params=slow)
+    two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt, params=slow)
     assert one.ok == two.ok == 24 and one.rows == 24
     assert shard_checksums(tmp_path / "w1") == shard_checksums(tmp_path / "w2")
     assert len(shard_checksums(tmp_path / "w1")) == 5  # 24 inputs, 5 per shard
@@ -260,3 +261,51 @@ def test_ops_run_single_threaded_and_the_caller_keeps_its_threads(
     rows = Cache(tmp_path / "c").read_all(["omp", "cv2_threads"])
     assert set(rows["omp"]) == {"1"} and set(rows["cv2_threads"].tolist()) == {1}
     assert cv2.getNumThreads() == 2 and os.environ.get("OMP_NUM_THREADS") == omp_before
+
+
+def test_a_batched_op_gets_batches_and_one_bad_sample_fails_alone(tmp_path: Path,
+                                                                  photos: Path) -> None:
+    pipeline_file = function_pipeline(
+        tmp_path, "batched",
+        "from precache import Op\n"
+        "class MeanBrightness(Op):\n"
+        "    name = 'mean_brightness'\n"
+        "    batched = True\n"
+        "    def call_batch(self, samples):\n"
+        "        if any(s['key'] == 'img0005.jpg' for s in samples):\n"
+        "            raise RuntimeError('model crashed on ' + ','.join(s['key'] for s in samples))\n"
+        "        for s in samples:\n"
+        "            s['batch_size'] = len(samples)\n"
+        "            s['mean'] = float(s['image'].mean())\n"
+        "        return samples\n",
+        "[DecodeImage(), ResizeCenterCrop(size=8), MeanBrightness()]")
+    summary = quiet_run(photos, tmp_path / "c", pipeline=pipeline_file, workers=1, shard_rows=24)
+    assert (summary.ok, summary.failed) == (23, 1)
+    error = Cache(tmp_path / "c").read_errors().to_pylist()[0]
+    assert error["key"] == "img0005.jpg" and error["message"].startswith("model crashed on")
+    rows = Cache(tmp_path / "c").read_all(["key", "batch_size", "mean"])
+    sizes = dict(zip(rows["key"], rows["batch_size"].tolist()))
+    assert sizes["img0020.jpg"] == 8            # a clean micro-batch went through whole
+    assert sizes["img0004.jpg"] == 1            # its batch held the bad sample: retried one by one
+
+
+def test_a_worker_that_dies_stops_the_run_and_a_rerun_finishes(
+        tmp_path: Path, photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline_file = function_pipeline(
+        tmp_path, "crashy",
+        "import multiprocessing, os, signal, time\n"
+        "def crash_in_child(sample):\n"
+        "    time.sleep(0.1)\n"
+        "    if multiprocessing.parent_process() is not None and os.environ['CRASH'] == '1':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return sample\n",
+        "[FunctionOp(crash_in_child), DecodeImage(), ResizeCenterCrop(size=8)]")
+    out = tmp_path / "c"
+    monkeypatch.setenv("CRASH", "1")
+    with pytest.raises(RunError, match="(?s)died with exit code -9.*re-run the same command"):
+        quiet_run(photos, out, pipeline=pipeline_file, workers=2, shard_rows=4)
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setenv("CRASH", "0")
+    summary = quiet_run(photos, out, pipeline=pipeline_file, workers=1, shard_rows=4)
+    assert 0 < summary.computed < 24 and summary.ok == 24   # only the lost task is redone
+    assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())

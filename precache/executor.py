@@ -1,0 +1,107 @@
+"""Local executor: this process and ``workers - 1`` spawned processes take tasks from one queue.
+
+The calling process works from the first moment, so the others' start-up (about half a second of
+imports and model loading each) overlaps with real work, and a small job is done before they are
+even ready. Whoever is free takes the next task (largest first), so workers finish together.
+A task's shard is committed by the process that ran it; a process that dies mid-task leaves no
+journal entry, so its task is simply redone by the next run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import traceback
+from typing import Any, Iterator
+
+from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task, threads_pinned
+
+__all__ = ["run_tasks", "WorkerDied"]
+
+_POLL_S = 0.2
+
+
+class WorkerDied(RuntimeError):
+    """A worker process died or failed outside any one input (the message says which)."""
+
+
+def _child_main(config: WorkerConfig, tasks: Any, results: Any) -> None:
+    """Body of a spawned worker: set up the ops once, then run tasks until a ``None``."""
+    try:
+        init_worker(config)
+    except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
+        results.put(("error", f"worker setup failed:\n{traceback.format_exc()}"))
+        return
+    while (task := tasks.get()) is not None:
+        try:
+            results.put(("ok", run_task(task)))
+        except Exception:  # noqa: BLE001 - e.g. disk full while committing the shard
+            results.put(("error", f"task {task.seq} failed:\n{traceback.format_exc()}"))
+            return
+
+
+def _result(message: tuple[str, Any]) -> TaskResult:
+    kind, payload = message
+    if kind == "error":
+        raise WorkerDied(payload)
+    return payload
+
+
+def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
+    """Run ``tasks`` with ``workers`` processes in all (this one included); yield each result.
+
+    In one process tasks go in key order (so ``--fail-fast`` stops at the first failing input);
+    with more they go largest first (by input bytes) so that no big task starts last.
+
+    Raises:
+        WorkerDied: a spawned worker died (killed, out of memory, a crash in native code) or
+            could not set up its ops.
+    """
+    children = min(workers - 1, len(tasks) - 1)
+    with threads_pinned():  # spawned children inherit this one-thread environment
+        init_worker(config)
+        if children <= 0:
+            for task in tasks:
+                yield run_task(task)
+            return
+        context = multiprocessing.get_context("spawn")  # native models and fork do not mix
+        todo, results = context.Queue(), context.Queue()
+        todo.cancel_join_thread()  # tasks left behind by an abandoned run must not block exit
+        for task in sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs)):
+            todo.put(task)
+        for _ in range(children + 1):
+            todo.put(None)  # one stop sign per worker, this process included
+        procs = [context.Process(target=_child_main, args=(config, todo, results), daemon=True)
+                 for _ in range(children)]
+        for proc in procs:
+            proc.start()
+    try:
+        received = 0
+        while (task := todo.get()) is not None:
+            with threads_pinned():
+                result = run_task(task)
+            received += 1
+            yield result
+            while True:  # pass on what the children finished meanwhile
+                try:
+                    message = results.get_nowait()
+                except queue.Empty:
+                    break
+                received += 1
+                yield _result(message)
+        while received < len(tasks):
+            try:
+                message = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkerDied(f"worker process {dead[0].pid} died with exit code "
+                                     f"{dead[0].exitcode}") from None
+                continue
+            received += 1
+            yield _result(message)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()  # idle, still starting, or the run is being abandoned
+            proc.join()
