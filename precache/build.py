@@ -26,19 +26,19 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock
+from precache.executor import WorkerDied, run_tasks
 from precache.formats import ShardInfo, file_checksum, get_format
 from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
 from precache.sources import Input, hash_bytes, list_inputs, read_bytes
-from precache.executor import WorkerDied, run_tasks
 from precache.worker import Task, WorkerConfig
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
