@@ -34,11 +34,12 @@ from tqdm import tqdm
 
 from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock
 from precache.executor import WorkerDied, run_tasks
-from precache.formats import ShardInfo, file_checksum, get_format
+from precache.formats import ShardInfo, get_format
+from precache.hashing import file_checksum, hash_bytes
 from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
-from precache.sources import Input, hash_bytes, list_inputs, read_bytes
+from precache.sources import Input, list_inputs, read_bytes
 from precache.worker import Task, WorkerConfig
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
@@ -225,12 +226,7 @@ def _drop_stale_rows(layout: CacheLayout, state: _State, kept: dict[str, dict[st
             columns = reader.read(indices=live)
         finally:
             reader.close()
-        name = layout.shard_name(next_seq, shard_format.suffix)
-        tmp = layout.staging / f"{name}.tmp"
-        shard_format.write(tmp, columns, schema)
-        state.shards[next_seq] = ShardInfo(path=f"shards/{name}", rows=len(live),
-                                           bytes=tmp.stat().st_size, checksum=file_checksum(tmp))
-        os.replace(tmp, layout.shards / name)
+        state.shards[next_seq] = layout.commit_shard(next_seq, shard_format, columns, schema)
         state.schemas[next_seq] = state.schemas[seq]
         for record in kept.values():
             if record["shard"] == seq:

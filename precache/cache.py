@@ -23,8 +23,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from precache.formats import ShardReader, get_format
+from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
+from precache.hashing import file_checksum
 from precache.manifest import Manifest
+from precache.schema import ColumnSpec
 
 __all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA"]
 
@@ -79,6 +81,19 @@ class CacheLayout:
     def shard_seq(name: str) -> int:
         """Sequence number from a shard file name (``part-00012.parquet`` -> 12)."""
         return int(Path(name).name.split(".")[0].split("-")[1])
+
+    def commit_shard(self, seq: int, shard_format: ShardFormat, columns: dict[str, Any],
+                     schema: dict[str, ColumnSpec]) -> ShardInfo:
+        """Write shard ``seq`` under ``.staging/``, then rename it into ``shards/``, so a shard
+        file is either absent or complete."""
+        name = self.shard_name(seq, shard_format.suffix)
+        tmp = self.staging / f"{name}.tmp-{os.getpid()}"
+        shard_format.write(tmp, columns, schema)
+        rows = len(next(iter(columns.values()))) if columns else 0
+        info = ShardInfo(path=f"shards/{name}", rows=rows, bytes=tmp.stat().st_size,
+                         checksum=file_checksum(tmp))
+        os.replace(tmp, self.shards / name)
+        return info
 
     def looks_like_cache(self) -> bool:
         """True if the directory holds a cache or the remains of a run that wrote one."""

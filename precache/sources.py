@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "hash_bytes", "LIST_SUFFIXES"]
+__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES"]
 
 LIST_SUFFIXES = (".txt", ".lst")
 """An ``--input`` file with one of these suffixes is a list of input paths, one per line."""
@@ -103,9 +102,3 @@ def read_bytes(locator: str) -> bytes:
     """Read an input's bytes (raises ``OSError`` with the reason if it cannot)."""
     with open(locator, "rb") as f:
         return f.read()
-
-
-def hash_bytes(data: bytes) -> str:
-    """The ``source_hash`` of an input: SHA-256 of its bytes, first 128 bits in hex (SHA-256 runs
-    at about twice BLAKE2b's speed on CPUs with SHA instructions)."""
-    return hashlib.sha256(data).hexdigest()[:32]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from precache.cache import Cache
-from precache.formats import file_checksum
+from precache.hashing import file_checksum
 
 __all__ = ["Problem", "verify"]
 

@@ -19,12 +19,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from precache.cache import CacheLayout
-from precache.formats import ShardInfo, file_checksum, get_format
+from precache.formats import ShardInfo, get_format
+from precache.hashing import hash_bytes
 from precache.manifest import atomic_write_bytes
 from precache.ops.base import Op, Sample, Skip
 from precache.pipeline import Pipeline, load_pipeline
 from precache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
-from precache.sources import Input, hash_bytes, read_bytes
+from precache.sources import Input, read_bytes
 
 __all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "pin_threads",
            "threads_pinned",
@@ -232,12 +233,7 @@ def _commit(task: Task, rows: list[Sample], schema: dict[str, ColumnSpec] | None
     shard_format = get_format(config.format)
     result = TaskResult(seq=task.seq, records=records)
     if rows and schema is not None:
-        name = layout.shard_name(task.seq, shard_format.suffix)
-        tmp = layout.staging / f"{name}.tmp-{os.getpid()}"
-        shard_format.write(tmp, rows_to_columns(rows, schema), schema)
-        info = ShardInfo(path=f"shards/{name}", rows=len(rows), bytes=tmp.stat().st_size,
-                         checksum=file_checksum(tmp))
-        os.replace(tmp, layout.shards / name)
+        info = layout.commit_shard(task.seq, shard_format, rows_to_columns(rows, schema), schema)
         result.shard, result.schema = info, schema_to_json(schema)
         for row in rows:
             record = records[index[row["source_key"]]]

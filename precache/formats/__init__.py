@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from precache.formats.base import ShardFormat, ShardInfo, ShardReader, file_checksum
+from precache.formats.base import ShardFormat, ShardInfo, ShardReader
 from precache.formats.hdf5 import HDF5Format
 from precache.formats.parquet import ParquetFormat
 
-__all__ = ["FORMATS", "get_format", "ShardFormat", "ShardInfo", "ShardReader", "file_checksum"]
+__all__ = ["FORMATS", "get_format", "ShardFormat", "ShardInfo", "ShardReader"]
 
 FORMATS: dict[str, ShardFormat] = {"parquet": ParquetFormat(), "hdf5": HDF5Format()}
 

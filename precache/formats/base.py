@@ -6,7 +6,6 @@ Every format stores the same logical schema (see ``precache.schema``); stage 1 w
 
 from __future__ import annotations
 
-import hashlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import numpy as np
 
 from precache.schema import ColumnSpec
 
-__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "file_checksum", "contiguous_runs"]
+__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs"]
 
 
 @dataclass(frozen=True)
@@ -55,15 +54,6 @@ class ShardInfo:
     def from_json(cls, obj: dict[str, Any]) -> ShardInfo:
         return cls(path=obj["path"], rows=int(obj["rows"]), bytes=int(obj["bytes"]),
                    checksum=obj["checksum"], deleted=tuple(int(i) for i in obj.get("deleted", ())))
-
-
-def file_checksum(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of a file's bytes, as ``sha256:<hex>``."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
 
 
 def contiguous_runs(sorted_indices: np.ndarray) -> list[tuple[int, int]]:

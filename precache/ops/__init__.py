@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from precache.ops.base import FunctionOp, Op, OpResult, Sample, Skip, file_sha256
+from precache.ops.base import FunctionOp, Op, OpResult, Sample, Skip
 from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, ResizeCenterCrop
 
-__all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample", "file_sha256",
+__all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample",
            "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS"]
 
 OPS: dict[str, type[Op]] = {

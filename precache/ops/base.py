@@ -12,6 +12,8 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Union
 
+from precache.hashing import file_sha256
+
 __all__ = ["Op", "Skip", "FunctionOp", "OpResult", "Sample", "file_sha256"]
 
 Sample = dict[str, Any]
@@ -32,15 +34,6 @@ class Skip(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hash of a model file, for op fingerprints."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Op:

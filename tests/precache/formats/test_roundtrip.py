@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precache.formats import FORMATS, file_checksum
+from precache.formats import FORMATS
+from precache.hashing import file_checksum
 from precache.schema import ColumnSpec, infer_spec, rows_to_columns
 
 
