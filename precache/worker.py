@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,8 +28,7 @@ from precache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_j
 from precache.sources import Input, read_bytes
 
 __all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "pin_threads",
-           "threads_pinned",
-           "NOT_STORED", "new_record"]
+           "threads_pinned", "NOT_STORED", "new_record"]
 
 NOT_STORED = ("data", "locator")
 """Sample fields the runner provides to ops but does not store in shards."""
@@ -68,7 +67,6 @@ class TaskResult:
     shard: ShardInfo | None = None
     schema: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None  # the first failed record, when fail-fast stopped it
-    counts: dict[str, int] = field(default_factory=dict)
 
 
 def new_record(item: Input) -> dict[str, Any]:
