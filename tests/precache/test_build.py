@@ -72,10 +72,11 @@ def test_rerun_on_unchanged_inputs_does_no_op_work(photos: Path, tmp_path: Path,
     assert shard_checksums(tmp_path / "c") == before
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
 def test_only_added_changed_and_deleted_inputs_are_touched(photos: Path, tmp_path: Path,
-                                                           call_log: Path) -> None:
+                                                           call_log: Path, fmt: str) -> None:
     out = tmp_path / "c"
-    quiet_run(photos, out, workers=1)
+    quiet_run(photos, out, workers=1, format=fmt)
     first = Cache(out).read_all()
     call_log.unlink()
     changed, deleted = photos / "img0004.jpg", photos / "img0009.png"
@@ -85,7 +86,7 @@ def test_only_added_changed_and_deleted_inputs_are_touched(photos: Path, tmp_pat
     os.replace(tmp_path / "other" / "img0001.jpg", photos / "new.jpg")
     touched = photos / "img0010.jpg"
     os.utime(touched, ns=(1, 1))                                     # new mtime, same content
-    summary = quiet_run(photos, out, workers=2)
+    summary = quiet_run(photos, out, workers=2, format=fmt)
     assert sorted(read_calls(call_log)) == ["img0004.jpg", "new.jpg"]
     assert summary.computed == 2 and summary.deleted == 1
     after = Cache(out).read_all()
@@ -229,16 +230,22 @@ def test_an_op_returning_nothing_fails_that_input_only(tmp_path: Path, photos: P
     assert "returned NoneType" in error["message"]
 
 
-def test_a_mostly_deleted_shard_is_rewritten(photos: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
+def test_a_mostly_deleted_shard_is_rewritten(photos: Path, tmp_path: Path, fmt: str) -> None:
     out = tmp_path / "c"
-    quiet_run(photos, out, workers=1)
+    quiet_run(photos, out, workers=1, format=fmt)
+    first = Cache(out).read_all()
     for name in ("img0000.png", "img0001.jpg", "img0002.jpg"):   # 3 of the first shard's 5
         (photos / name).unlink()
-    summary = quiet_run(photos, out, workers=1)
+    summary = quiet_run(photos, out, workers=1, format=fmt)
     assert (summary.computed, summary.deleted, summary.rewritten_shards) == (0, 3, 1)
     manifest = Cache(out).manifest
     assert all(not s.deleted for s in manifest.shards) and manifest.rows == 21
-    assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())
+    after = Cache(out).read_all()
+    assert sorted(after["key"]) == sorted(p.name for p in photos.iterdir())
+    old_images = dict(zip(first["key"], first["image"]))
+    for key, image in zip(after["key"], after["image"]):
+        np.testing.assert_array_equal(image, old_images[key])   # the copy kept the right rows
     assert precache.verify(out) == []
 
 
