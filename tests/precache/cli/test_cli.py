@@ -115,3 +115,27 @@ def test_module_and_console_script_agree() -> None:
     script = Path(sys.executable).with_name("precache")
     result = subprocess.run([str(script), "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("precache ")
+
+
+def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(photos: Path,
+                                                               tmp_path: Path) -> None:
+    import os
+    import signal
+
+    out = tmp_path / "cache"
+    args = ["run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(out), "-q", "--workers", "2",
+            "--shard-rows", "2", "--set", "delay=0.1"]
+    proc = subprocess.Popen([sys.executable, "-m", "precache", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list((out / "journal").glob("part-*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr and "re-run" in stderr
+    rerun = precache_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "24 ok" in rerun.stdout and "reused 0" not in rerun.stdout
