@@ -9,8 +9,14 @@ journal entry, so its task is simply redone by the next run.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
+import os
 import queue
+import signal
+import sys
+import threading
 import traceback
 from typing import Any, Iterator
 
@@ -19,14 +25,26 @@ from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_tas
 __all__ = ["run_tasks", "WorkerDied"]
 
 _POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class WorkerDied(RuntimeError):
     """A worker process died or failed outside any one input (the message says which)."""
 
 
-def _child_main(config: WorkerConfig, tasks: Any, results: Any) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this worker if the run's process dies (even by kill -9), so no
+    orphan goes on writing shards beside the next run (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int) -> None:
     """Body of a spawned worker: set up the ops once, then run tasks until a ``None``."""
+    _die_with_parent(parent_pid)
     try:
         init_worker(config)
     except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
@@ -38,6 +56,20 @@ def _child_main(config: WorkerConfig, tasks: Any, results: Any) -> None:
         except Exception:  # noqa: BLE001 - e.g. disk full while committing the shard
             results.put(("error", f"task {task.seq} failed:\n{traceback.format_exc()}"))
             return
+
+
+@contextlib.contextmanager
+def _children_ignore_ctrl_c() -> Iterator[None]:
+    """Start children with SIGINT ignored (the setting survives exec), so Ctrl-C reaches only
+    this process, which stops them; otherwise each prints its own traceback, even mid-start."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _result(message: tuple[str, Any]) -> TaskResult:
@@ -71,10 +103,11 @@ def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator
             todo.put(task)
         for _ in range(children + 1):
             todo.put(None)  # one stop sign per worker, this process included
-        procs = [context.Process(target=_child_main, args=(config, todo, results), daemon=True)
-                 for _ in range(children)]
-        for proc in procs:
-            proc.start()
+        procs = [context.Process(target=_child_main, args=(config, todo, results, os.getpid()),
+                                 daemon=True) for _ in range(children)]
+        with _children_ignore_ctrl_c():
+            for proc in procs:
+                proc.start()
     try:
         received = 0
         while (task := todo.get()) is not None:

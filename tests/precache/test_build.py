@@ -39,7 +39,7 @@ def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
 def test_one_and_two_workers_write_identical_shards(photos: Path, tmp_path: Path, fmt: str,
                                                     call_log: Path) -> None:
-    slow = {"delay": 0.04}  # enough work for the spawned worker to start and take tasks
+    slow = {"delay": 0.08}  # enough work for the spawned worker to start and take tasks
     one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt, params=slow)
     two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt, params=slow)
     assert one.ok == two.ok == 24 and one.rows == 24

@@ -86,3 +86,49 @@ def test_killed_rebuild_leaves_the_old_cache_intact(tmp_path: Path, call_log: Pa
     assert result.returncode == 0, result.stderr
     assert Cache(out).read_all(["image"])["image"].shape == (32, 24, 24, 3)
     assert verify(out) == []
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_die_with_a_killed_run_and_leave_nothing_running(tmp_path: Path) -> None:
+    photos, out = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, 40)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "precache", "run", COUNTING_PIPELINE, "-i", str(photos), "-o",
+         str(out), "--workers", "3", "--shard-rows", "2", "-q", "--set", "delay=0.2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(child_pids(proc.pid)) < 2 or not list((out / "journal").glob("part-*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    workers = child_pids(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the run's process only, not its group
+    proc.wait()
+    deadline = time.monotonic() + 1.5  # far less than the ~3 s of work the workers had left
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "worker processes outlived the killed run"
+        time.sleep(0.05)
+    result = precache_cli("run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(out), "-q",
+                          "--workers", "3", "--shard-rows", "2", "--set", "delay=0.2")
+    assert result.returncode == 0, result.stderr
+    assert verify(out) == [] and Cache(out).manifest.counts["ok"] == 40
