@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from precache.ops.base import FunctionOp, Op, OpResult, Sample, Skip
+from precache.ops.face_crop import CropFace
+from precache.ops.face_detect import DetectFaces
+from precache.ops.face_mesh import FaceMesh, FaceRegions
 from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, ResizeCenterCrop
 
 __all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample",
-           "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS"]
+           "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS", "DetectFaces", "CropFace",
+           "FaceMesh", "FaceRegions"]
 
 OPS: dict[str, type[Op]] = {
     DecodeImage.name: DecodeImage,
     ResizeCenterCrop.name: ResizeCenterCrop,
+    DetectFaces.name: DetectFaces,
+    CropFace.name: CropFace,
+    FaceMesh.name: FaceMesh,
+    FaceRegions.name: FaceRegions,
 }
 
 

