@@ -1,0 +1,109 @@
+"""``CachedDataset``: a map-style PyTorch dataset over a finished cache.
+
+A batch of indices is one read per shard (``__getitems__``), not one per sample. Shard files are
+opened lazily, in the process that reads them, so DataLoader workers never inherit open handles
+(safe under fork and spawn). The index -> (shard, row) map lives in two NumPy arrays, so forked
+workers share it instead of copying Python objects page by page.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from precache.cache import Cache
+from precache.formats.base import ShardReader
+
+__all__ = ["CachedDataset"]
+
+Sample = dict[str, Any]
+
+
+class CachedDataset:
+    """Rows of a cache as samples: dicts of column name -> NumPy value (``key`` is a ``str``).
+
+    Args:
+        cache: the cache directory.
+        columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
+        transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
+
+    Raises:
+        ManifestError: ``cache`` holds no finished cache.
+        KeyError: a requested column is not in the cache.
+    """
+
+    def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
+                 transform: Callable[[Sample], Sample] | None = None) -> None:
+        self.path = os.fspath(cache)
+        self._cache = Cache(self.path)
+        schema = self._cache.manifest.schema
+        missing = [c for c in columns or () if c not in schema]
+        if missing:
+            raise KeyError(f"{self.path}: no column {missing} in this cache; it has {sorted(schema)}")
+        self.columns = list(columns) if columns else list(schema)
+        self.transform = transform
+        shard_of, row_of = [], []
+        for shard, info in enumerate(self._cache.manifest.shards):
+            rows = info.live_indices()
+            shard_of.append(np.full(len(rows), shard, dtype=np.int32))
+            row_of.append(np.asarray(rows, dtype=np.int64))
+        self._shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
+        self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
+        self._readers: dict[int, ShardReader] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self._shard)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_readers"] = {}  # open files never travel to another process
+        return state
+
+    def _reader(self, shard: int) -> ShardReader:
+        if self._pid != os.getpid():  # a forked worker: forget the parent's handles
+            self._readers, self._pid = {}, os.getpid()
+        reader = self._readers.get(shard)
+        if reader is None:
+            reader = self._readers[shard] = self._cache.reader(shard)
+        return reader
+
+    def read_batch(self, indices: Sequence[int]) -> dict[str, Any]:
+        """Columns of the given rows, in the given order: arrays of shape (len(indices), ...)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
+            raise IndexError(f"index out of range for a cache of {len(self)} rows")
+        shards, rows = self._shard[indices], self._row[indices]
+        out: dict[str, Any] = {}
+        for shard in np.unique(shards):
+            where = np.nonzero(shards == shard)[0]
+            order = np.argsort(rows[where], kind="stable")
+            part = self._reader(int(shard)).read(rows[where][order].tolist(), self.columns)
+            for name, values in part.items():
+                if name not in out:
+                    out[name] = (np.empty((len(indices), *values.shape[1:]), dtype=values.dtype)
+                                 if isinstance(values, np.ndarray) else [None] * len(indices))
+                if isinstance(values, np.ndarray):
+                    out[name][where[order]] = values
+                else:
+                    for position, value in zip(where[order], values):
+                        out[name][position] = value
+        return out
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        batch = self.read_batch(indices)
+        samples = [{name: values[i] for name, values in batch.items()} for i in range(len(indices))]
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        return samples
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.__getitems__([index])[0]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers = {}
