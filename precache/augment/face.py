@@ -1,0 +1,237 @@
+"""Stage-2 face augmentation: region edits from the cached hulls, then keypoint-aware geometry.
+
+Runs on one cached face sample (``image`` plus any of ``landmarks5``, ``mesh``, ``has_mesh``,
+``regions``, ``region_sizes``; see ``precache.faces.topology``) inside DataLoader workers.
+Every point set goes through one Albumentations call, so image and points always agree, and a
+horizontal flip re-indexes the points so that names keep meaning the same side of the face.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable
+
+import albumentations as A
+import cv2
+import numpy as np
+import torch.utils.data
+
+from precache.faces import topology
+
+__all__ = ["FaceAugment"]
+
+_POINT_KEYS = ("landmarks5", "mesh", "regions")
+_FLIPS = {"landmarks5": topology.LANDMARKS5_FLIP, "mesh": topology.MESH_FLIP,
+          "regions": topology.REGION_FLIP, "region_sizes": topology.REGION_FLIP}
+
+
+class FaceAugment:
+    """Augment a cached face sample: ``sample -> new sample``; the input is not modified.
+
+    Region steps (on the crop, before geometry) each pick one of ``regions`` that has a hull and
+    edit only the pixels inside its mask. Geometry and photometric steps are one Albumentations
+    ``Compose``; keypoints follow its convention, where pixel ``i`` has its centre at ``i`` (a
+    flip maps x to ``width - 1 - x``). Points outside the crop are kept; NaN points stay NaN.
+
+    The generator is reseeded on the first call in each process: from the DataLoader worker's
+    seed in a worker (so workers differ, and ``torch.manual_seed`` makes runs repeatable), from
+    ``seed`` in the process that built the object, and from ``seed`` and the pid elsewhere.
+
+    Args:
+        flip_p (float): probability of a horizontal flip. Default: ``0.5``.
+        affine_p (float): probability of the affine step. Default: ``0.7``.
+        scale (tuple[float, float]): zoom range of the affine step (same on both axes).
+            Default: ``(0.9, 1.1)``.
+        rotate (float): rotation limit in degrees (uniform in ``±rotate``). Default: ``15.0``.
+        shift (float): translation limit, a fraction of the size per axis. Default: ``0.05``.
+        color_p (float): probability of ``ColorJitter``. Default: ``0.5``.
+        brightness (float): ColorJitter brightness limit. Default: ``0.2``.
+        contrast (float): ColorJitter contrast limit. Default: ``0.2``.
+        saturation (float): ColorJitter saturation limit. Default: ``0.2``.
+        hue (float): ColorJitter hue limit (fraction of the hue circle). Default: ``0.03``.
+        blur_p (float): probability of a Gaussian blur. Default: ``0.1``.
+        blur_sigma (tuple[float, float]): its sigma range in pixels. Default: ``(0.5, 1.5)``.
+        cutout_p (float): probability of ``CoarseDropout``. Default: ``0.2``.
+        cutout_holes (tuple[int, int]): number of holes. Default: ``(1, 2)``.
+        cutout_size (tuple[float, float]): hole side, a fraction of the size.
+            Default: ``(0.1, 0.25)``.
+        region_color_p (float): probability of a colour change inside one region. Default: ``0.2``.
+        region_color (float): its per-channel gain limit; the bias limit is ``64 * region_color``.
+            Default: ``0.3``.
+        region_blur_p (float): probability of blurring one region. Default: ``0.1``.
+        region_blur_sigma (tuple[float, float]): its sigma range in pixels. Default: ``(1.0, 2.5)``.
+        occlude_p (float): probability of filling one region with a random colour (or, half the
+            time, uniform noise). Default: ``0.05``.
+        regions (tuple[str, ...]): names from ``topology.REGIONS`` the region steps pick from.
+            Default: ``("left_eye", "right_eye", "mouth")``.
+        seed (int, optional): seed in the building process (reproducible there). Default: ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        flip_p: float = 0.5,
+        affine_p: float = 0.7,
+        scale: tuple[float, float] = (0.9, 1.1),
+        rotate: float = 15.0,
+        shift: float = 0.05,
+        color_p: float = 0.5,
+        brightness: float = 0.2,
+        contrast: float = 0.2,
+        saturation: float = 0.2,
+        hue: float = 0.03,
+        blur_p: float = 0.1,
+        blur_sigma: tuple[float, float] = (0.5, 1.5),
+        cutout_p: float = 0.2,
+        cutout_holes: tuple[int, int] = (1, 2),
+        cutout_size: tuple[float, float] = (0.1, 0.25),
+        region_color_p: float = 0.2,
+        region_color: float = 0.3,
+        region_blur_p: float = 0.1,
+        region_blur_sigma: tuple[float, float] = (1.0, 2.5),
+        occlude_p: float = 0.05,
+        regions: tuple[str, ...] = ("left_eye", "right_eye", "mouth"),
+        seed: int | None = None,
+    ) -> None:
+        self.params: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
+        self.params["regions"] = tuple(regions)
+        unknown = set(regions) - set(topology.REGIONS)
+        if unknown:
+            raise ValueError(f"unknown regions {sorted(unknown)}; known: {topology.REGIONS}")
+        self._region_rows = [topology.REGIONS.index(name) for name in regions]
+        steps = [
+            A.HorizontalFlip(p=flip_p),
+            A.Affine(scale=scale, keep_ratio=True, rotate=(-rotate, rotate),
+                     translate_percent=(-shift, shift), border_mode=cv2.BORDER_CONSTANT, fill=0,
+                     p=affine_p),
+            A.ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue,
+                          p=color_p),
+            A.GaussianBlur(blur_limit=0, sigma_limit=blur_sigma, p=blur_p),
+            A.CoarseDropout(num_holes_range=cutout_holes, hole_height_range=cutout_size,
+                            hole_width_range=cutout_size, fill=0, p=cutout_p),
+        ]
+        self._compose = A.Compose(
+            steps,  # p=0 steps stay: they cost nothing and keep a keypoint-aware step in the list
+            keypoint_params=A.KeypointParams(format="xy", remove_invisible=False),
+            save_applied_params=True,
+        )
+        self._owner_pid = os.getpid()
+        self._seeded_pid: int | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Rebuild the Compose on unpickling rather than ship its RNG state to spawned workers.
+        return {"params": self.params, "owner_pid": self._owner_pid}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state["params"])  # type: ignore[misc]
+        self._owner_pid = state["owner_pid"]
+
+    def _reseed_if_new_process(self) -> None:
+        """Give each process its own stream; a forked copy would repeat its parent's otherwise."""
+        pid = os.getpid()
+        if pid == self._seeded_pid:
+            return
+        seed = self.params["seed"]
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            entropy: Any = info.seed if seed is None else [seed, info.seed]
+        elif pid == self._owner_pid:
+            entropy = seed
+        else:
+            entropy = None if seed is None else [seed, pid]
+        sequence = np.random.SeedSequence(entropy)
+        self._compose.set_random_state(np.random.default_rng(sequence),
+                                       random.Random(int(sequence.generate_state(1)[0])))
+        self._seeded_pid = pid
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """Return an augmented copy of ``sample``; keys other than the face columns pass through."""
+        self._reseed_if_new_process()
+        out = dict(sample)
+        image = self._augment_regions(sample)
+
+        keys = [k for k in _POINT_KEYS if sample.get(k) is not None]
+        parts = [np.asarray(sample[k], dtype=np.float32).reshape(-1, 2) for k in keys]
+        points = np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
+        missing = ~np.isfinite(points).all(axis=1)
+        result = self._compose(image=image, keypoints=np.where(missing[:, None], 0, points))
+
+        out["image"] = result["image"]
+        if np.may_share_memory(out["image"], sample["image"]):
+            out["image"] = out["image"].copy()
+        moved = np.asarray(result["keypoints"], dtype=np.float32)[:, :2].copy()
+        moved[missing] = np.nan
+        flipped = any(name == "HorizontalFlip" for name, _ in result["applied_transforms"])
+        start = 0
+        for key, part in zip(keys, parts):
+            out[key] = moved[start:start + len(part)].reshape(np.shape(sample[key]))
+            start += len(part)
+        for key in ("landmarks5", "mesh", "regions", "region_sizes"):
+            if flipped and sample.get(key) is not None:
+                out[key] = np.asarray(out[key])[_FLIPS[key]]
+        return out
+
+    def _augment_regions(self, sample: dict[str, Any]) -> np.ndarray:
+        """Edit pixels inside one region's hull per step, working only on the region's box."""
+        image = sample["image"]
+        regions, sizes = sample.get("regions"), sample.get("region_sizes")
+        rng = self._compose.random_generator
+        draws = rng.random(3) < [self.params["region_color_p"], self.params["region_blur_p"],
+                                 self.params["occlude_p"]]
+        if not draws.any() or regions is None or sizes is None or not sample.get("has_mesh", True):
+            return image
+        present = [r for r in self._region_rows if sizes[r] >= 3]
+        if not present:
+            return image
+        image = image.copy()
+        for step in np.flatnonzero(draws):
+            name = topology.REGIONS[present[rng.integers(len(present))]]
+            if step == 0:
+                self._region_color(image, regions, sizes, name, rng)
+            elif step == 1:
+                self._region_blur(image, regions, sizes, name, rng)
+            else:
+                self._region_occlude(image, regions, sizes, name, rng)
+        return image
+
+    def _region_color(self, image: np.ndarray, regions: np.ndarray, sizes: np.ndarray,
+                      name: str, rng: np.random.Generator) -> None:
+        limit = self.params["region_color"]
+        gain = rng.uniform(1 - limit, 1 + limit, 3).astype(np.float32)
+        bias = rng.uniform(-64 * limit, 64 * limit, 3).astype(np.float32)
+        _paste(image, regions, sizes, name, 0, lambda crop: crop * gain + bias)
+
+    def _region_blur(self, image: np.ndarray, regions: np.ndarray, sizes: np.ndarray,
+                     name: str, rng: np.random.Generator) -> None:
+        sigma = rng.uniform(*self.params["region_blur_sigma"])
+        _paste(image, regions, sizes, name, int(np.ceil(3 * sigma)),
+               lambda crop: cv2.GaussianBlur(crop, (0, 0), sigma))
+
+    def _region_occlude(self, image: np.ndarray, regions: np.ndarray, sizes: np.ndarray,
+                        name: str, rng: np.random.Generator) -> None:
+        noise = rng.random() < 0.5
+        colour = rng.integers(0, 256, 3)
+        _paste(image, regions, sizes, name, 0, lambda crop: (
+            rng.integers(0, 256, crop.shape) if noise else np.broadcast_to(colour, crop.shape)))
+
+
+def _paste(image: np.ndarray, regions: np.ndarray, sizes: np.ndarray, name: str, margin: int,
+           edit: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Apply ``edit`` to the region's box (grown by ``margin`` for context) and keep its result
+    inside the region's mask only, in place; rasterising just the box keeps this cheap."""
+    box = topology.region_box(regions, sizes, name)
+    height, width = image.shape[:2]
+    x0, y0 = (max(int(np.floor(v)) - margin, 0) for v in box[:2])
+    x1 = min(int(np.ceil(box[2])) + 1 + margin, width)
+    y1 = min(int(np.ceil(box[3])) + 1 + margin, height)
+    if x1 <= x0 or y1 <= y0:
+        return
+    offset = np.array([x0, y0], dtype=np.float32)
+    mask = topology.region_mask(regions - offset, sizes, name, (y1 - y0, x1 - x0)).astype(bool)
+    crop = image[y0:y1, x0:x1]
+    edited = np.clip(edit(crop.astype(np.float32)), 0, 255).astype(np.uint8)
+    crop[mask] = edited[mask]

@@ -1,0 +1,49 @@
+"""data/make_samples.py: the face sample set, its truth file, and the same bytes on every run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+SCRIPT = Path(__file__).resolve().parents[2] / "data" / "make_samples.py"
+COUNT = 30
+
+
+def make(out: Path) -> dict[str, list[list[float]]]:
+    """Run the script into ``out``; return its truth file (file name -> face boxes)."""
+    subprocess.run([sys.executable, str(SCRIPT), "--output", str(out), "--count", str(COUNT)],
+                   check=True, capture_output=True, text=True, timeout=120)
+    truth = out.parent / (out.name + "_truth.json")
+    assert truth.is_file()
+    return json.loads(truth.read_text())
+
+
+def test_make_samples(tmp_path: Path) -> None:
+    out = tmp_path / "samples"
+    truth = make(out)
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) == COUNT
+    assert not list(out.glob("*.json"))  # the truth file lies beside the folder, not in it
+    assert sorted(truth) == files
+    for name in files:
+        with Image.open(out / name) as image:
+            assert image.mode == "RGB"
+            image.load()
+            w, h = image.size
+        kind = name.split("_")[0]
+        boxes = truth[name]
+        assert (kind == "noface") == (not boxes), name
+        assert (kind == "group") == (len(boxes) >= 2), name
+        for x0, y0, x1, y1 in boxes:
+            assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h, (name, (x0, y0, x1, y1), (w, h))
+    faces = [len(boxes) for boxes in truth.values()]
+    assert 0 in faces and 1 in faces and max(faces) >= 2
+
+    again = tmp_path / "again"
+    assert make(again) == truth
+    for name in files:
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name
