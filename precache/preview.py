@@ -114,7 +114,8 @@ def write_previews(cache_path: str | os.PathLike[str], output: str | os.PathLike
     for path, tiles in sheets:
         path.parent.mkdir(parents=True, exist_ok=True)
         sheet = contact_sheet(tiles, columns)
-        if not cv2.imwrite(str(path), cv2.cvtColor(sheet, cv2.COLOR_RGB2BGR)):
+        quality = [cv2.IMWRITE_JPEG_QUALITY, 85] if path.suffix.lower() in (".jpg", ".jpeg") else []
+        if not cv2.imwrite(str(path), cv2.cvtColor(sheet, cv2.COLOR_RGB2BGR), quality):
             raise ValueError(f"could not write {path}: use a .png or .jpg file name")
         written.append(path)
     return written
