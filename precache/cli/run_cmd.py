@@ -12,6 +12,7 @@ from precache.pipeline import PipelineError, available_pipelines, load_pipeline
 
 EPILOG = """\
 examples:
+  precache run faces --input photos/ --output cache/ --set size=128 --set keep=all
   precache run images --input photos/ --output cache/
   precache run images -i photos/ -o cache/ --set size=224 --workers 4 --format hdf5
   precache run path/to/my_pipeline.py -i list.txt -o cache/
