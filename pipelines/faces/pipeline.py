@@ -27,14 +27,16 @@ def make_ops(
     min_face: int = 20,
     thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
     keep: str = "largest",
+    detect_size: int = 1024,
     mesh_confidence: float = 0.5,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> list[Op]:
-    """Detect (``min_face`` pixels and up; ``keep`` = largest or all), crop ``size`` pixels with
-    ``margin`` on each side, mesh and regions."""
+    """Detect (``min_face`` pixels and up, on a copy at most ``detect_size`` pixels long; ``keep``
+    = largest or all), crop ``size`` pixels with ``margin`` on each side, mesh and regions."""
     return [
         DecodeImage(max_pixels=max_pixels),
-        DetectFaces(min_face=min_face, thresholds=thresholds, keep=keep),
+        DetectFaces(min_face=min_face, thresholds=thresholds, keep=keep,
+                    detect_size=detect_size),
         CropFace(size=size, margin=margin),
         FaceMesh(min_confidence=mesh_confidence),
         FaceRegions(),

@@ -87,11 +87,26 @@ def test_detect_faces_keeps_the_largest_or_all_and_skips_no_face():
         DetectFaces()({"key": "c.jpg", "image": data.coffee()})
 
 
+def test_a_large_photo_is_detected_on_a_shrunk_copy_in_source_pixels():
+    big = cv2.resize(data.astronaut(), (2048, 2048), interpolation=cv2.INTER_LINEAR)
+    op = DetectFaces(detect_size=512)
+    op.setup()
+    face = op({"key": "big", "image": big})
+    assert iou(face["box"], tuple(4 * v for v in ASTRONAUT_FACE)) >= 0.5
+    (lx, ly), (rx, ry) = face["landmarks5"][:2]
+    assert 4 * 176 < lx < rx < 4 * 272 and 4 * 80 < min(ly, ry)
+    full = DetectFaces(detect_size=0)
+    full.setup()
+    assert iou(full({"key": "big", "image": big})["box"], tuple(face["box"])) > 0.8
+
+
 def test_bad_parameters_are_refused():
     with pytest.raises(ValueError, match="keep"):
         DetectFaces(keep="biggest")
     with pytest.raises(ValueError, match="min_face"):
         DetectFaces(min_face=5)
+    with pytest.raises(ValueError, match="detect_size"):
+        DetectFaces(detect_size=20)
     with pytest.raises(ValueError, match="margin"):
         CropFace(margin=-0.1)
 
