@@ -87,6 +87,11 @@ class ShardReader(ABC):
         and ``bytes`` columns as lists.
         """
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of decoded data this reader keeps in memory (0 for memory-mapped readers)."""
+        return 0
+
     def close(self) -> None:
         """Release the open file, if any."""
 

@@ -50,9 +50,21 @@ def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
 
 
 class ParquetShardReader(ShardReader):
-    """Memory-mapped Parquet shard reader."""
+    """Memory-mapped Parquet shard reader that keeps the columns it has decoded.
+
+    Parquet cannot hand out single rows: reading any row of a column decodes the column's whole
+    row group (the shard). So each column is decoded once, as a NumPy array (a view of the Arrow
+    buffer) or a list, and every later batch from this shard is a NumPy gather. ``nbytes`` says
+    how much is kept, so a dataset can bound it across shards (``CachedDataset`` closes least
+    recently used readers past its budget).
+    """
 
     _file: pq.ParquetFile | None = None
+
+    def __init__(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> None:
+        super().__init__(path, schema)
+        self._decoded: dict[str, Any] = {}
+        self._nbytes = 0
 
     def _open(self) -> pq.ParquetFile:
         if self._file is None:
@@ -62,16 +74,35 @@ class ParquetShardReader(ShardReader):
     def __len__(self) -> int:
         return self._open().metadata.num_rows
 
+    def _columns(self, names: list[str]) -> dict[str, Any]:
+        """The named columns, decoding (once) those not decoded yet."""
+        missing = [n for n in names if n not in self._decoded]
+        if missing:
+            table = self._open().read(columns=missing)
+            for name in missing:
+                self._decoded[name] = _from_arrow(table.column(name), self.schema[name])
+            self._nbytes += table.nbytes
+        return {name: self._decoded[name] for name in names}
+
     def read(
         self, indices: Sequence[int] | np.ndarray | None = None, columns: Sequence[str] | None = None
     ) -> dict[str, Any]:
         names = list(columns) if columns is not None else list(self.schema)
-        table = self._open().read(columns=names)
-        if indices is not None:
-            table = table.take(pa.array(np.asarray(indices, dtype=np.int64)))
-        return {name: _from_arrow(table.column(name), self.schema[name]) for name in names}
+        decoded = self._columns(names)
+        if indices is None:
+            return {name: (v.copy() if isinstance(v, np.ndarray) else list(v))
+                    for name, v in decoded.items()}
+        rows = np.asarray(indices, dtype=np.int64)
+        return {name: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows.tolist()])
+                for name, v in decoded.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of decoded columns this reader keeps."""
+        return self._nbytes
 
     def close(self) -> None:
+        self._decoded, self._nbytes = {}, 0
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -4,11 +4,16 @@ A batch of indices is one read per shard (``__getitems__``), not one per sample.
 opened lazily, in the process that reads them, so DataLoader workers never inherit open handles
 (safe under fork and spawn). The index -> (shard, row) map lives in two NumPy arrays, so forked
 workers share it instead of copying Python objects page by page.
+
+HDF5 shards are memory-mapped (the OS page cache holds them once for all workers). A Parquet
+shard must be decoded whole to read any row of it, so its reader keeps the decoded columns; the
+dataset closes the least recently used readers once they keep more than ``max_decoded_bytes``.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +34,10 @@ class CachedDataset:
         cache: the cache directory.
         columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
         transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
+        max_decoded_bytes: per process, the decoded Parquet columns kept for later batches
+            (default 1 GiB). Over it, least recently used shards are dropped and decoded again
+            when next needed; a shuffle over far more Parquet data than this decodes a shard per
+            batch, so shuffle within windows of shards or use HDF5 for such caches.
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
@@ -36,7 +45,8 @@ class CachedDataset:
     """
 
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
-                 transform: Callable[[Sample], Sample] | None = None) -> None:
+                 transform: Callable[[Sample], Sample] | None = None,
+                 max_decoded_bytes: int = 1 << 30) -> None:
         self.path = os.fspath(cache)
         self._cache = Cache(self.path)
         schema = self._cache.manifest.schema
@@ -52,7 +62,10 @@ class CachedDataset:
             row_of.append(np.asarray(rows, dtype=np.int64))
         self._shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
         self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
-        self._readers: dict[int, ShardReader] = {}
+        self.max_decoded_bytes = max_decoded_bytes
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
+        self._decoded_total = 0
         self._pid = os.getpid()
 
     def __len__(self) -> int:
@@ -60,16 +73,32 @@ class CachedDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_readers"] = {}  # open files never travel to another process
+        state["_readers"], state["_decoded"] = OrderedDict(), {}  # open files stay in this process
+        state["_decoded_total"] = 0
         return state
 
     def _reader(self, shard: int) -> ShardReader:
         if self._pid != os.getpid():  # a forked worker: forget the parent's handles
-            self._readers, self._pid = {}, os.getpid()
+            self._readers, self._decoded, self._pid = OrderedDict(), {}, os.getpid()
+            self._decoded_total = 0
         reader = self._readers.get(shard)
         if reader is None:
             reader = self._readers[shard] = self._cache.reader(shard)
+        self._readers.move_to_end(shard)
         return reader
+
+    def _account(self, shard: int) -> None:
+        """Record what the shard's reader keeps; close the least recently used over the budget."""
+        kept = self._readers[shard].nbytes
+        self._decoded_total += kept - self._decoded.get(shard, 0)
+        self._decoded[shard] = kept
+        while self._decoded_total > self.max_decoded_bytes and len(self._readers) > 1:
+            oldest, reader = next(iter(self._readers.items()))
+            if oldest == shard:
+                break
+            reader.close()
+            del self._readers[oldest]
+            self._decoded_total -= self._decoded.pop(oldest, 0)
 
     def read_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         """Columns of the given rows, in the given order: arrays of shape (len(indices), ...)."""
@@ -81,7 +110,8 @@ class CachedDataset:
         for shard in np.unique(shards):
             where = np.nonzero(shards == shard)[0]
             order = np.argsort(rows[where], kind="stable")
-            part = self._reader(int(shard)).read(rows[where][order].tolist(), self.columns)
+            part = self._reader(int(shard)).read(rows[where][order], self.columns)
+            self._account(int(shard))
             for name, values in part.items():
                 if name not in out:
                     out[name] = (np.empty((len(indices), *values.shape[1:]), dtype=values.dtype)
@@ -106,4 +136,4 @@ class CachedDataset:
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
-        self._readers = {}
+        self._readers, self._decoded, self._decoded_total = OrderedDict(), {}, 0

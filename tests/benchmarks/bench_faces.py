@@ -14,7 +14,7 @@ with the ``faces`` pipeline at ``size=128``:
 2. The naive path's cost per step, ms per sample over the inputs with a face: each op call timed
    in the bare loop (best of the repeats per input), plus ``FaceAugment`` on the resulting crop.
 3. DataLoader throughput, naive vs cached, for each ``--workers`` value, with the same settings
-   (``shuffle=True``, ``persistent_workers=False``, default collate, ``pin_memory`` off on CPU,
+   (``shuffle=True``, ``persistent_workers`` with workers, default collate, ``pin_memory`` off on CPU,
    one thread per worker as in stage 1):
    - naive: a Dataset over the files stage 1 found a face in (naive's best case: no time spent on
      faceless files; a file giving no face would be replaced by the next), whose ``__getitem__``
@@ -188,7 +188,7 @@ def _pin_worker(_: int) -> None:
 def make_loader(dataset: Any, workers: int, batch_size: int) -> DataLoader:
     context = multiprocessing.get_context("forkserver") if workers else None
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                      persistent_workers=False, pin_memory=False, multiprocessing_context=context,
+                      persistent_workers=workers > 0, pin_memory=False, multiprocessing_context=context,
                       worker_init_fn=_pin_worker if workers else None)
 
 
@@ -336,7 +336,7 @@ def _bench(work: Path, count: int, repeat: int, batch_size: int, naive_samples: 
           "each to find that out, paid by stage 1 once)")
 
     # --- 3. loaders ---------------------------------------------------------------------------
-    print(f"\n3. DataLoader samples/s (batch {batch_size}, shuffle, persistent_workers=False, "
+    print(f"\n3. DataLoader samples/s (batch {batch_size}, shuffle, persistent workers, "
           f"default collate; cache of {len(bare.rows)} rows)\n")
     results = []
     for w in workers_list:

@@ -61,3 +61,33 @@ def test_a_dataloader_with_two_workers_reads_every_row_once(cache):
     assert sorted(keys) == sorted(precache.Cache(cache / "cache").read_all(["key"])["key"])
     batch = next(iter(loader))
     assert batch["image"].shape == (8, 16, 16, 3) and batch["image"].dtype == torch.uint8
+
+
+def test_a_decoded_bytes_budget_keeps_few_readers_and_the_same_rows(cache):
+    everything = precache.Cache(cache / "cache").read_all(["key", "image"])
+    small = CachedDataset(cache / "cache", columns=["key", "image"], max_decoded_bytes=1)
+    order = list(range(39, -1, -3))
+    for _ in range(2):
+        samples = small.__getitems__(order)
+        assert [s["key"] for s in samples] == [everything["key"][i] for i in order]
+        np.testing.assert_array_equal(np.stack([s["image"] for s in samples]),
+                                      everything["image"][order])
+    if precache.Cache(cache / "cache").manifest.format == "parquet":
+        assert len(small._readers) == 1  # the budget closed the others
+    else:
+        assert all(r.nbytes == 0 for r in small._readers.values())  # mapped, nothing decoded
+
+
+def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(cache):
+    c = precache.Cache(cache / "cache")
+    if c.manifest.format != "hdf5":
+        pytest.skip("HDF5 only")
+    reader = c.reader(0)
+    rows = [7, 3, 3, 12, 0]
+    mapped = reader.read(rows, ["image", "orig_height"])
+    assert isinstance(reader._maps["image"], np.memmap)
+    reader._maps = {"image": None, "orig_height": None}  # force the h5py slice path
+    sliced = reader.read(rows, ["image", "orig_height"])
+    for name in ("image", "orig_height"):
+        np.testing.assert_array_equal(mapped[name], sliced[name])
+    reader.close()
