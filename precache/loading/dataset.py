@@ -71,6 +71,11 @@ class CachedDataset:
     def __len__(self) -> int:
         return len(self._shard)
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """The shard (in manifest order) of every index, for samplers that keep reads local."""
+        return self._shard
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_readers"], state["_decoded"] = OrderedDict(), {}  # open files stay in this process
