@@ -1,0 +1,187 @@
+"""``DistributedShardSampler``: the index order of each rank, DDP-aware and resumable mid-epoch.
+
+Every rank computes the same epoch order (a permutation of all N indices, from ``seed`` and the
+epoch) and takes every ``world_size``-th of the samples not yet consumed. Because the split is
+strided, after each rank has consumed k samples the samples seen by all ranks together are exactly
+the first ``k * world_size`` of them. So the whole position is one global ``offset`` into the
+epoch order: the state is a few integers, the same on every rank, and valid for any world size.
+
+Per epoch, every rank gets the same number of indices (so the same number of batches, and DDP
+never waits on a rank that has run out):
+
+- ``drop_last=False`` (default): the samples left are padded to a multiple of ``world_size`` by
+  repeating the first of them, so at most ``world_size - 1`` extra indices are yielded (a sample
+  repeats more than once only when fewer than ``world_size`` samples are left).
+- ``drop_last=True``: the samples left are cut to a multiple of ``world_size``, so at most
+  ``world_size - 1`` samples are skipped that epoch.
+
+A resumed epoch pads or cuts what is left after the offset, so these bounds hold per resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+__all__ = ["DistributedShardSampler"]
+
+_CHUNK = 8192  # indices turned into Python ints at a time
+
+
+class DistributedShardSampler(Sampler[int]):
+    """Indices of one rank for a map-style dataset: shuffled by seed and epoch, resumable.
+
+    Call ``set_epoch(epoch)`` before iterating each epoch. To resume, call ``load_state_dict``
+    before that ``set_epoch``: the first ``set_epoch`` of the saved epoch after
+    ``load_state_dict`` keeps the saved position; any other ``set_epoch`` starts its epoch at
+    the beginning.
+
+    Args:
+        dataset: anything with ``__len__``. For ``shard_window`` it also needs ``shard_ids``, a
+            NumPy array with the shard of every index (``CachedDataset`` has it).
+        shuffle: shuffle by ``seed`` and epoch (default ``True``); ``False`` gives 0..N-1.
+        seed: seed of the epoch order, the same on every rank (default 0).
+        drop_last: cut the samples left to a multiple of ``world_size`` instead of padding them
+            (default ``False``). See the module docstring for the exact policy.
+        shard_window: shuffle the order of the shards, group them into windows of this many
+            consecutive shards, and shuffle samples only within a window (default ``None``:
+            global shuffle). Each batch then touches few shards, which keeps reads local (e.g.
+            Parquet caches larger than memory) at the price of a less global shuffle.
+        rank: this rank (default: ``torch.distributed.get_rank()`` when initialised, else 0).
+        world_size: the number of ranks (default: ``torch.distributed.get_world_size()`` when
+            initialised, else 1).
+
+    Raises:
+        ValueError: an argument is out of range, or ``shard_window`` is given without
+            ``shuffle`` or for a dataset without matching ``shard_ids``.
+    """
+
+    def __init__(self, dataset: Sized, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, shard_window: int | None = None,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        if world_size is None:
+            world_size = dist.get_world_size() if distributed else 1
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, not {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, not {seed}")
+        self.size = len(dataset)
+        self._shards: np.ndarray | None = None
+        if shard_window is not None:
+            if shard_window < 1:
+                raise ValueError(f"shard_window must be at least 1, not {shard_window}")
+            if not shuffle:
+                raise ValueError("shard_window only changes a shuffled order; pass shuffle=True")
+            shard_ids = getattr(dataset, "shard_ids", None)
+            if shard_ids is None:
+                raise ValueError(f"shard_window needs a dataset with shard_ids; "
+                                 f"{type(dataset).__name__} has none")
+            shard_ids = np.asarray(shard_ids)
+            if shard_ids.shape != (self.size,):
+                raise ValueError(f"shard_ids has shape {shard_ids.shape}; the dataset has "
+                                 f"{self.size} samples")
+            self._shards = shard_ids
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.shard_window = shard_window
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.epoch = 0
+        self.offset = 0  # samples of this epoch's order consumed by all ranks before this pass
+        self._resumed_epoch: int | None = None  # set by load_state_dict until its set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its beginning, unless ``load_state_dict`` just set this epoch."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, not {epoch}")
+        if epoch != self._resumed_epoch:
+            self.offset = 0
+        self.epoch, self._resumed_epoch = int(epoch), None
+
+    def epoch_order(self) -> np.ndarray:
+        """All N indices in this epoch's order (identical on every rank)."""
+        if not self.shuffle:
+            return np.arange(self.size, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        if self._shards is None:
+            return rng.permutation(self.size).astype(np.int64)
+        shards, shard_of = np.unique(self._shards, return_inverse=True)
+        place = np.empty(len(shards), dtype=np.int64)
+        place[rng.permutation(len(shards))] = np.arange(len(shards))  # shard -> its place
+        window = place[shard_of] // self.shard_window
+        shuffled = rng.permutation(self.size)
+        return shuffled[np.argsort(window[shuffled], kind="stable")].astype(np.int64)
+
+    def _count(self) -> int:
+        left = self.size - self.offset
+        return left // self.world_size if self.drop_last else -(-left // self.world_size)
+
+    def indices(self) -> np.ndarray:
+        """This rank's indices for the rest of the epoch (from ``offset``), in order."""
+        remaining = self.epoch_order()[self.offset:]
+        total = self._count() * self.world_size
+        if total > len(remaining):  # pad by repeating the first samples left
+            remaining = np.resize(remaining, total)
+        return remaining[:total][self.rank::self.world_size]
+
+    def __len__(self) -> int:
+        return self._count()
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.indices()
+        for start in range(0, len(mine), _CHUNK):
+            yield from mine[start:start + _CHUNK].tolist()
+
+    def state_dict(self, consumed: int) -> dict[str, Any]:
+        """The epoch's position after this rank's training loop received ``consumed`` samples.
+
+        ``consumed`` counts the samples handed to the training loop since this epoch (or the
+        resume) started, not the sampler's own position: a DataLoader draws indices ahead of
+        the loop for the batches its workers prefetch. Equal on every rank in lock-step.
+
+        Args:
+            consumed: samples this rank's loop received this pass, 0..``len(self)``.
+
+        Returns:
+            Plain JSON-able data: ``epoch``, ``seed``, ``offset`` (global: samples of the
+            epoch order consumed by all ranks), ``size``, ``shuffle``, ``shard_window``,
+            ``drop_last``. Once the pass is consumed, ``offset`` is ``size`` (epoch done).
+
+        Raises:
+            ValueError: ``consumed`` is negative or more than this rank yields.
+        """
+        if not 0 <= consumed <= len(self):
+            raise ValueError(f"consumed must be in [0, {len(self)}], not {consumed}")
+        offset = self.size if consumed == len(self) else self.offset + consumed * self.world_size
+        return {"epoch": self.epoch, "seed": self.seed, "offset": min(offset, self.size),
+                "size": self.size, "shuffle": self.shuffle, "shard_window": self.shard_window,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch, on any world size; the next ``set_epoch`` of it keeps this.
+
+        Raises:
+            ValueError: the state is incomplete, or was saved for another dataset size, seed,
+                shuffle or shard_window (the epoch order would differ).
+        """
+        missing = {"epoch", "offset", "size", "seed", "shuffle", "shard_window"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}")
+        ours = {"size": self.size, "seed": self.seed, "shuffle": self.shuffle,
+                "shard_window": self.shard_window}
+        for name, value in ours.items():
+            if state[name] != value:
+                raise ValueError(f"sampler state was saved with {name}={state[name]!r}, but "
+                                 f"this sampler has {name}={value!r}")
+        if not 0 <= state["offset"] <= self.size or state["epoch"] < 0:
+            raise ValueError(f"sampler state has epoch {state['epoch']} and offset "
+                             f"{state['offset']} (size {self.size})")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._resumed_epoch = self.epoch
