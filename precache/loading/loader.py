@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from precache.loading.dataset import collate_samples
 from precache.loading.sampler import DistributedShardSampler
 from precache.worker import pin_threads
 
@@ -125,7 +126,8 @@ def make_loader(
         pin_memory: default: when CUDA is available.
         persistent_workers: default: when there are workers.
         prefetch_factor: batches each worker prepares ahead (torch's default 2).
-        collate_fn: default: torch's ``default_collate`` (dicts of stacked tensors).
+        collate_fn: default: ``collate_samples``, torch's ``default_collate`` (dicts of stacked
+            tensors) that turns an untransformed cached batch into tensors without re-stacking.
         multiprocessing_context: worker start method (default torch's: fork on Linux).
         rank, world_size: default from ``torch.distributed`` when initialised, else 0 and 1.
     """
@@ -151,7 +153,7 @@ def make_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
-        collate_fn=collate_fn,
+        collate_fn=collate_fn or collate_samples,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         drop_last=False,  # the sampler already gives every rank the same count
         generator=generator,
