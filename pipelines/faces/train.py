@@ -91,8 +91,6 @@ def main() -> None:
     args = parse_args()
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed)  # every rank starts from the same weights
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.backends.cudnn.benchmark = True  # fixed input shapes
     out = Path(args.out)
     if rank == 0:
@@ -105,6 +103,8 @@ def main() -> None:
     loader = make_loader(Subset(train_set, train_idx), args.batch_size, num_workers=args.workers,
                          seed=args.seed)
     val_loader = make_loader(Subset(full, val_idx), args.batch_size, shuffle=False, num_workers=0)
+    if device.type == "cpu":  # the cores left to this rank after its loader workers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world - loader.loader.num_workers))
 
     model = LandmarkNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
