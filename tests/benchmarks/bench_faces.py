@@ -33,7 +33,6 @@ with the ``faces`` pipeline at ``size=128``:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing
 import random
 import shutil
@@ -58,6 +57,9 @@ from precache.ops import Op, Skip  # noqa: E402
 from precache.sources import list_inputs  # noqa: E402
 from precache.worker import pin_threads  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_stage1 import load_make_samples  # noqa: E402  (a sibling script, not a package)
+
 PARAMS = {"size": 128}
 COLUMNS = ["image", "landmarks5", "mesh", "has_mesh", "regions", "region_sizes"]
 STEPS = ["read", "decode_image", "detect_faces", "crop_face", "face_mesh", "face_regions"]
@@ -72,17 +74,6 @@ PRELOAD = ["torch", "torch.utils.data", "cv2", "albumentations", "precache", "pr
            "pipelines.faces.pipeline"]
 Sample = dict[str, Any]
 pipeline = precache.load_pipeline("faces")
-
-
-def load_make_samples() -> Callable[..., Any]:
-    """``make_samples`` from ``data/make_samples.py`` (``data/`` is not a package)."""
-    path = ROOT / "data" / "make_samples.py"
-    spec = importlib.util.spec_from_file_location("precache_bench_make_samples", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_samples
 
 
 def setup_ops() -> list[Op]:

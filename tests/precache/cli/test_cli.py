@@ -97,9 +97,9 @@ def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path:
     out = tmp_path / "cache"
     first = subprocess.Popen(
         [sys.executable, "-m", "precache", "run", COUNTING_PIPELINE, "-i", str(photos), "-o",
-         str(out), "-q", "--workers", "1", "--shard-rows", "4", "--set", "delay=0.1"],
+         str(out), "-q", "--workers", "1", "--shard-rows", "4", "--set", "delay=0.2"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 60  # the first run takes ~5 s: the second must start within it
     while not list((out / "journal").glob("part-*.json")):
         assert first.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
