@@ -6,8 +6,10 @@ opened lazily, in the process that reads them, so DataLoader workers never inher
 workers share it instead of copying Python objects page by page.
 
 HDF5 shards are memory-mapped (the OS page cache holds them once for all workers). A Parquet
-shard must be decoded whole to read any row of it, so its reader keeps the decoded columns; the
-dataset closes the least recently used readers once they keep more than ``max_decoded_bytes``.
+shard must be decoded whole to read any row of it. When the requested columns of the whole cache
+fit ``max_decoded_bytes``, they are decoded once per process into one array per column, so a
+batch is a single NumPy gather (the fastest a batch can be made). Otherwise each shard's reader
+keeps its decoded columns, and the least recently used are dropped past the budget.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class CachedDataset:
         cache: the cache directory.
         columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
         transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
-        max_decoded_bytes: per process, the decoded Parquet columns kept for later batches
-            (default 1 GiB). Over it, least recently used shards are dropped and decoded again
-            when next needed; a shuffle over far more Parquet data than this decodes a shard per
-            batch, so shuffle within windows of shards or use HDF5 for such caches.
+        max_decoded_bytes: per process, the decoded Parquet data kept for later batches
+            (default 1 GiB). Requested columns that fit it whole are held as one array each
+            (``resident``); otherwise shards are kept and the least recently used dropped and
+            decoded again when next needed, so a shuffle over far more Parquet data than this
+            decodes a shard per batch: shuffle within windows of shards or use HDF5 then.
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
@@ -88,6 +91,48 @@ class CachedDataset:
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
         self._pid = os.getpid()
+        self._resident: dict[str, np.ndarray] | None = None
+        self.resident = self._fits_in_memory()
+
+    def _fits_in_memory(self) -> bool:
+        """Whether this Parquet cache's requested columns fit the budget as whole columns."""
+        manifest = self._cache.manifest
+        if manifest.format != "parquet":
+            return False
+        total = 0
+        for name in self.columns:
+            spec = manifest.schema[name]
+            if spec.kind == "bytes":
+                return False
+            row = 64 if spec.kind == "str" else int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
+            total += row * len(self._shard)
+        return total <= self.max_decoded_bytes
+
+    def _resident_columns(self) -> dict[str, np.ndarray]:
+        """Every row of the requested columns, one array per column (strings as a NumPy string
+        array, not Python objects), decoded shard by shard the first time it is needed."""
+        if self._resident is None:
+            schema = self._cache.manifest.schema
+            arrays = {n: np.empty((len(self), *schema[n].shape), dtype=schema[n].dtype)
+                      for n in self.columns if schema[n].kind in ("ndarray", "scalar")}
+            strings: dict[str, list[str]] = {n: [] for n in self.columns if n not in arrays}
+            start = 0
+            for shard, info in enumerate(self._cache.manifest.shards):
+                rows = info.live_indices()
+                reader = self._cache.reader(shard)
+                try:
+                    part = reader.read(rows, self.columns)
+                finally:
+                    reader.close()
+                for name, values in part.items():
+                    if name in arrays:
+                        arrays[name][start:start + len(rows)] = values
+                    else:
+                        strings[name].extend(values)
+                start += len(rows)
+            arrays.update({n: np.array(v, dtype=str) for n, v in strings.items()})
+            self._resident = arrays
+        return self._resident
 
     def __len__(self) -> int:
         return len(self._shard)
@@ -101,6 +146,7 @@ class CachedDataset:
         state = dict(self.__dict__)
         state["_readers"], state["_decoded"] = OrderedDict(), {}  # open files stay in this process
         state["_decoded_total"] = 0
+        state["_resident"] = None  # rebuilt by the process that reads, never pickled
         return state
 
     def _reader(self, shard: int) -> ShardReader:
@@ -131,6 +177,9 @@ class CachedDataset:
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
+        if self.resident:
+            return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
+                    for name, values in self._resident_columns().items()}
         shards, rows = self._shard[indices], self._row[indices]
         grouped = np.lexsort((rows, shards))  # by shard, then by row inside it
         starts = np.flatnonzero(np.diff(shards[grouped])) + 1
@@ -164,3 +213,4 @@ class CachedDataset:
         for reader in self._readers.values():
             reader.close()
         self._readers, self._decoded, self._decoded_total = OrderedDict(), {}, 0
+        self._resident = None

@@ -91,3 +91,16 @@ def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(cache):
     for name in ("image", "orig_height"):
         np.testing.assert_array_equal(mapped[name], sliced[name])
     reader.close()
+
+
+def test_parquet_columns_that_fit_are_held_whole_and_read_the_same(cache):
+    columns = ["key", "image", "orig_height"]
+    whole = CachedDataset(cache / "cache", columns=columns)
+    by_shard = CachedDataset(cache / "cache", columns=columns, max_decoded_bytes=1)
+    fmt = precache.Cache(cache / "cache").manifest.format
+    assert whole.resident is (fmt == "parquet") and by_shard.resident is False
+    order = [5, 39, 0, 17, -1, 5]
+    a, b = whole.read_batch(order), by_shard.read_batch(order)
+    assert a["key"] == b["key"] and isinstance(a["key"][0], str)
+    for name in ("image", "orig_height"):
+        np.testing.assert_array_equal(a[name], b[name])
