@@ -80,7 +80,10 @@ class ParquetShardReader(ShardReader):
         if missing:
             table = self._open().read(columns=missing)
             for name in missing:
-                self._decoded[name] = _from_arrow(table.column(name), self.schema[name])
+                values = _from_arrow(table.column(name), self.schema[name])
+                if self.schema[name].kind == "str":  # kept as one NumPy array, not N objects
+                    values = np.array(values, dtype=str)
+                self._decoded[name] = values
             self._nbytes += table.nbytes
         return {name: self._decoded[name] for name in names}
 
@@ -89,12 +92,16 @@ class ParquetShardReader(ShardReader):
     ) -> dict[str, Any]:
         names = list(columns) if columns is not None else list(self.schema)
         decoded = self._columns(names)
-        if indices is None:
-            return {name: (v.copy() if isinstance(v, np.ndarray) else list(v))
-                    for name, v in decoded.items()}
-        rows = np.asarray(indices, dtype=np.int64)
-        return {name: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows.tolist()])
-                for name, v in decoded.items()}
+        rows = slice(None) if indices is None else np.asarray(indices, dtype=np.int64)
+        out: dict[str, Any] = {}
+        for name, values in decoded.items():
+            if isinstance(values, np.ndarray):
+                picked = values[rows]
+                out[name] = picked.tolist() if values.dtype.kind == "U" else (
+                    picked.copy() if indices is None else picked)
+            else:
+                out[name] = list(values) if indices is None else [values[i] for i in rows.tolist()]
+        return out
 
     @property
     def nbytes(self) -> int:
