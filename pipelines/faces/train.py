@@ -127,7 +127,7 @@ def main() -> None:
         raise SystemExit("--precision fp16 needs CUDA; use bf16 on CPU")
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
 
-    epoch, step, seen = 0, 0, 0
+    epoch, step, position = 0, 0, 0  # position: samples this rank trained on in this epoch
     if args.resume:
         state = torch.load(args.resume, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
@@ -145,7 +145,7 @@ def main() -> None:
             bare = model.module if isinstance(model, DistributedDataParallel) else model
             torch.save({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "loader": loader.state_dict(consumed=seen), "epoch": epoch, "step": step},
+                        "loader": loader.state_dict(consumed=position), "epoch": epoch, "step": step},
                        path)
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
@@ -165,7 +165,8 @@ def main() -> None:
             scaler.scale(loss / args.accumulate).backward()
             running += loss.detach()  # a tensor: no host sync, no graph kept
             logged += 1
-            seen += len(images)  # trained on: what a checkpoint must not replay
+            seen += len(images)
+            position = seen  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
                 if args.clip:
                     scaler.unscale_(optimizer)
@@ -183,6 +184,10 @@ def main() -> None:
             tick = time.perf_counter()
             busy += tick - got
         train_loss = (running / max(1, logged)).item()  # one sync per epoch
+        done = bool(args.max_steps and step >= args.max_steps)
+        if not done and epoch + 1 < args.epochs:
+            loader.start_epoch(epoch + 1)  # workers fill the next epoch's first batches meanwhile
+            position = 0
         net.eval()
         val_sum = torch.zeros((), device=device)
         val_n = 0
@@ -199,7 +204,6 @@ def main() -> None:
             wait_share = totals[3].item() / max(1e-9, totals[4].item())
         else:
             val_error, seen_all, wait_share = val_sum.item() / max(1, val_n), seen, wait / max(1e-9, wait + busy)
-        done = args.max_steps and step >= args.max_steps
         record = {"epoch": epoch, "step": step, "train_loss": train_loss, "val_l1": val_error,
                   "samples_per_s": seen_all / max(1e-9, wait + busy), "data_wait": wait_share,
                   "world_size": world}

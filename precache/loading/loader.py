@@ -60,15 +60,27 @@ class CacheLoader:
         self.sampler = sampler
         self.batch_size = loader.batch_size or 1
         self._consumed = 0
+        self._started: tuple[int, Iterator[Any]] | None = None  # (epoch, its running iterator)
 
     @property
     def dataset(self) -> Any:
         return self.loader.dataset
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (keeps a resumed position if ``load_state_dict`` set that epoch)."""
+        """Start ``epoch`` (keeps a resumed position if ``load_state_dict`` set that epoch, and
+        the batches ``start_epoch`` already asked for)."""
+        if self._started is not None and self._started[0] == epoch:
+            return
+        self._started = None
         self.sampler.set_epoch(epoch)
         self._consumed = 0
+
+    def start_epoch(self, epoch: int) -> None:
+        """Set ``epoch`` and have the workers start on its first batches now, e.g. before
+        validation, so the next epoch does not begin with a wait. A later ``set_epoch`` of the
+        same epoch keeps them. Its position is 0 until iteration starts."""
+        self.set_epoch(epoch)
+        self._started = (epoch, iter(self.loader))
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -76,7 +88,8 @@ class CacheLoader:
     def __iter__(self) -> Iterator[Any]:
         self._consumed = 0
         total = len(self.sampler)
-        for batch in self.loader:
+        started, self._started = self._started, None
+        for batch in (started[1] if started is not None else self.loader):
             self._consumed = min(total, self._consumed + self.batch_size)
             yield batch
 
