@@ -179,10 +179,10 @@ def main() -> None:
                 step += 1
                 if step % args.save_every == 0:
                     save(out / "last.pt")
-                if args.max_steps and step >= args.max_steps:
-                    break
             tick = time.perf_counter()
             busy += tick - got
+            if args.max_steps and step >= args.max_steps:
+                break
         train_loss = (running / max(1, logged)).item()  # one sync per epoch
         done = bool(args.max_steps and step >= args.max_steps)
         if not done and epoch + 1 < args.epochs:
