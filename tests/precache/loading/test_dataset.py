@@ -104,3 +104,16 @@ def test_parquet_columns_that_fit_are_held_whole_and_read_the_same(cache):
     assert a["key"] == b["key"] and isinstance(a["key"][0], str)
     for name in ("image", "orig_height"):
         np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_torchs_own_distributed_sampler_works_too(cache):
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = CachedDataset(cache / "cache", columns=["key"])
+    seen = []
+    for rank in (0, 1):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=4)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler)
+        seen += [k for batch in loader for k in batch["key"]]
+    assert sorted(set(seen)) == sorted(precache.Cache(cache / "cache").read_all(["key"])["key"])
+    assert len(seen) == 40  # 40 rows split evenly: no padding needed
