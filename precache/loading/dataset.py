@@ -62,6 +62,10 @@ class CachedDataset:
             (``resident``); otherwise shards are kept and the least recently used dropped and
             decoded again when next needed, so a shuffle over far more Parquet data than this
             decodes a shard per batch: shuffle within windows of shards or use HDF5 then.
+        resident: hold the requested columns whole in this process's memory, so a batch is one
+            gather. Default (None): for Parquet caches whose columns fit ``max_decoded_bytes``.
+            ``True`` also for HDF5 (faster batches, but each process holds its own copy instead
+            of sharing the page cache); ``False`` never.
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
@@ -70,7 +74,7 @@ class CachedDataset:
 
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
                  transform: Callable[[Sample], Sample] | None = None,
-                 max_decoded_bytes: int = 1 << 30) -> None:
+                 max_decoded_bytes: int = 1 << 30, resident: bool | None = None) -> None:
         self.path = os.fspath(cache)
         self._cache = Cache(self.path)
         schema = self._cache.manifest.schema
@@ -92,7 +96,10 @@ class CachedDataset:
         self._decoded_total = 0
         self._pid = os.getpid()
         self._resident: dict[str, np.ndarray] | None = None
-        self.resident = self._fits_in_memory()
+        self.resident = self._fits_in_memory() if resident is None else bool(resident)
+        if self.resident and any(schema[c].kind == "bytes" for c in self.columns):
+            raise ValueError(f"{self.path}: bytes columns cannot be held resident; leave them "
+                             "out of columns or pass resident=False")
 
     def _fits_in_memory(self) -> bool:
         """Whether this Parquet cache's requested columns fit the budget as whole columns."""
