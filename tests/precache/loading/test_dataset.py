@@ -78,11 +78,11 @@ def test_a_decoded_bytes_budget_keeps_few_readers_and_the_same_rows(cache):
         assert all(r.nbytes == 0 for r in small._readers.values())  # mapped, nothing decoded
 
 
-def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(cache):
-    c = precache.Cache(cache / "cache")
-    if c.manifest.format != "hdf5":
-        pytest.skip("HDF5 only")
-    reader = c.reader(0)
+def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(tmp_path):
+    write_photos(tmp_path / "photos", 16)
+    precache.run("images", tmp_path / "photos", tmp_path / "cache", params={"size": 16},
+                 workers=1, format="hdf5", progress=False, log=lambda *a, **k: None)
+    reader = precache.Cache(tmp_path / "cache").reader(0)
     rows = [7, 3, 3, 12, 0]
     mapped = reader.read(rows, ["image", "orig_height"])
     assert isinstance(reader._maps["image"], np.memmap)
