@@ -72,7 +72,8 @@ def format_description(d: dict[str, Any], *, max_shards: int = 10) -> str:
         lines.append(f"  {op['name']} v{op['version']}  {op['fingerprint']}  {op['params']}{weights}")
     lines.append("schema")
     for name, spec in d["schema"].items():
-        shape = f"{spec['dtype']}{spec['shape']}" if spec["kind"] == "ndarray" else spec["dtype"]
+        shape = (f"{spec['dtype']}{spec['shape']}" if spec["kind"] == "ndarray"
+                 else f"{spec['dtype']}[*]" if spec["kind"] == "ragged" else spec["dtype"])
         lines.append(f"  {name:<16} {spec['kind']:<8} {shape}")
     lines.append("shards")
     for s in d["shards"][:max_shards]:

@@ -1,9 +1,12 @@
 """Column specs: what a cached column holds, inferred from op outputs and recorded in the manifest.
 
-A column is one of four kinds:
+A column is one of five kinds:
 
 - ``ndarray``: a fixed-shape NumPy array per row (a crop, a landmark set). Stored so that a batch of
   rows is one contiguous ``(n, *shape)`` array on read.
+- ``ragged``: a 1-D NumPy array per row whose length varies (token ids). An op marks it with
+  ``ragged(values)``; stored as values plus offsets (Parquet list, HDF5 variable-length), read
+  back as one array per row.
 - ``scalar``: one number per row (``int64``, ``float32``, ``bool`` ...).
 - ``str``: a UTF-8 string per row.
 - ``bytes``: an opaque byte string per row.
@@ -16,7 +19,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ColumnSpec", "infer_spec", "rows_to_columns", "schema_to_json", "schema_from_json"]
+__all__ = ["ColumnSpec", "Ragged", "ragged", "infer_spec", "rows_to_columns", "schema_to_json",
+           "schema_from_json"]
+
+
+class Ragged(np.ndarray):
+    """Marks a 1-D array as one row of a ``ragged`` column (its length may differ per row)."""
+
+
+def ragged(values: Any, dtype: Any = None) -> Ragged:
+    """``values`` as one row of a variable-length column, e.g. ``ragged(ids, np.uint16)``.
+
+    Raises:
+        ValueError: the values are not one-dimensional numbers.
+    """
+    array = np.asarray(values, dtype=dtype)
+    if array.ndim != 1 or array.dtype.kind not in "biuf":
+        raise ValueError(f"ragged values must be a 1-D numeric array, not {array.dtype}{list(array.shape)}")
+    return array.view(Ragged)
 
 
 @dataclass(frozen=True)
@@ -24,8 +44,8 @@ class ColumnSpec:
     """The type of one column.
 
     Args:
-        kind: ``ndarray``, ``scalar``, ``str`` or ``bytes``.
-        dtype: NumPy dtype name for ``ndarray`` and ``scalar`` columns, else ``""``.
+        kind: ``ndarray``, ``ragged``, ``scalar``, ``str`` or ``bytes``.
+        dtype: NumPy dtype name for ``ndarray``, ``ragged`` and ``scalar`` columns, else ``""``.
         shape: per-row shape for ``ndarray`` columns, else ``()``.
     """
 
@@ -47,6 +67,8 @@ def infer_spec(name: str, value: Any) -> ColumnSpec:
     Raises:
         TypeError: the value has a type precache cannot store (say which column, and what to emit).
     """
+    if isinstance(value, Ragged):
+        return ColumnSpec("ragged", value.dtype.name)
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise TypeError(f"column {name!r}: object arrays cannot be stored; emit a numeric array")
@@ -95,6 +117,12 @@ def rows_to_columns(
             columns[name] = np.stack(values).astype(spec.dtype, copy=False) if values else np.empty(
                 (0, *spec.shape), dtype=spec.dtype
             )
+        elif spec.kind == "ragged":
+            for row, value in zip(rows, values):
+                if not isinstance(value, np.ndarray) or value.ndim != 1:
+                    raise ValueError(f"sample {row['key']!r}: column {name!r} is ragged; emit "
+                                     "ragged(values) with a 1-D array")
+            columns[name] = [np.asarray(v, dtype=spec.dtype).view(np.ndarray) for v in values]
         elif spec.kind == "scalar":
             columns[name] = np.asarray(values, dtype=spec.dtype)
         elif spec.kind == "str":

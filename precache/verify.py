@@ -56,6 +56,12 @@ def _check_shard(cache: Cache, i: int) -> str | None:
             if array.shape[1:] != spec.shape or array.dtype.name != spec.dtype:
                 return (f"column {name!r} is {array.dtype}{list(array.shape[1:])}, schema says "
                         f"{spec.dtype}{list(spec.shape)}")
+        if spec.kind == "ragged":
+            bad = next((v for v in values if np.asarray(v).ndim != 1
+                        or np.asarray(v).dtype.name != spec.dtype), None)
+            if bad is not None:
+                return (f"column {name!r} holds a {np.asarray(bad).dtype}"
+                        f"{list(np.asarray(bad).shape)} row, schema says ragged {spec.dtype}")
     return None
 
 

@@ -203,6 +203,9 @@ def _check_row(row: Sample, schema: dict[str, ColumnSpec]) -> None:
         if spec.kind == "ndarray" and isinstance(value, np.ndarray):
             if value.shape == spec.shape and value.dtype.name == spec.dtype:
                 continue  # the common case, checked without building a spec
+        if spec.kind == "ragged" and isinstance(value, np.ndarray) and value.ndim == 1:
+            if value.dtype.name == spec.dtype:
+                continue
         got = infer_spec(name, value)
         if got != spec:
             raise ValueError(f"column {name!r} is {got}, the other rows' is {spec}")

@@ -75,6 +75,8 @@ class HDF5ShardReader(ShardReader):
             return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
         if spec.kind == "bytes":
             return [np.asarray(v, dtype=np.uint8).tobytes() for v in values]
+        if spec.kind == "ragged":
+            return [np.asarray(v, dtype=spec.dtype) for v in values]
         return np.asarray(values)
 
     def read(
@@ -105,6 +107,11 @@ class HDF5Format(ShardFormat):
                 values = columns[name]
                 if spec.kind == "str":
                     f.create_dataset(name, data=np.array(values, dtype=object), dtype=_STR,
+                                     track_times=False)
+                elif spec.kind == "ragged":
+                    data = np.empty(rows, dtype=object)
+                    data[:] = [np.asarray(v, dtype=spec.dtype) for v in values]
+                    f.create_dataset(name, data=data, dtype=h5py.vlen_dtype(np.dtype(spec.dtype)),
                                      track_times=False)
                 elif spec.kind == "bytes":
                     data = np.empty(rows, dtype=object)

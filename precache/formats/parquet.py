@@ -22,6 +22,22 @@ from precache.schema import ColumnSpec
 __all__ = ["ParquetFormat", "ParquetShardReader"]
 
 
+class RaggedColumn:
+    """A decoded ragged column: all rows' values in one array, row i at ``offsets[i]:offsets[i+1]``."""
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray) -> None:
+        self.values, self.offsets = values, offsets
+        self.nbytes = values.nbytes + offsets.nbytes
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, indices: Any) -> list[np.ndarray]:
+        """One array per requested row (views of ``values``)."""
+        starts, stops = self.offsets[indices], self.offsets[np.asarray(indices) + 1]
+        return [self.values[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+
+
 def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
     if spec.kind == "ndarray":
         array = np.ascontiguousarray(values, dtype=spec.dtype)
@@ -29,6 +45,11 @@ def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
         return pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(width), len(array), [None, pa.py_buffer(array)]
         )
+    if spec.kind == "ragged":
+        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = (np.concatenate(values) if len(values) else np.empty(0)).astype(spec.dtype)
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
     if spec.kind == "scalar":
         return pa.array(values)
     if spec.kind == "str":
@@ -44,6 +65,11 @@ def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
         data = np.frombuffer(combined.buffers()[1], dtype=np.uint8,
                              count=len(combined) * width, offset=combined.offset * width)
         return data.view(dtype).reshape(len(combined), *spec.shape)
+    if spec.kind == "ragged":
+        combined = array.combine_chunks()
+        offsets = combined.offsets.to_numpy()  # absolute positions in the (unsliced) child values
+        values = combined.values.to_numpy(zero_copy_only=False).astype(spec.dtype, copy=False)
+        return RaggedColumn(values, offsets)
     if spec.kind == "scalar":
         return array.to_numpy()
     return array.to_pylist()
@@ -95,6 +121,9 @@ class ParquetShardReader(ShardReader):
         rows = slice(None) if indices is None else np.asarray(indices, dtype=np.int64)
         out: dict[str, Any] = {}
         for name, values in decoded.items():
+            if isinstance(values, RaggedColumn):
+                out[name] = values.rows(np.arange(len(values)) if indices is None else rows)
+                continue
             if isinstance(values, np.ndarray):
                 picked = values[rows]
                 out[name] = picked.tolist() if values.dtype.kind == "U" else (
@@ -129,7 +158,8 @@ class ParquetFormat(ShardFormat):
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
         table = pa.table(arrays)
         small = [n for n, s in schema.items() if s.kind in ("scalar", "str")]
-        compression = {n: ("zstd" if n in small else "none") for n in schema}
+        packed = small + [n for n, s in schema.items() if s.kind == "ragged"]  # token ids compress
+        compression = {n: ("zstd" if n in packed else "none") for n in schema}
         pq.write_table(
             table,
             path,

@@ -97,9 +97,9 @@ class CachedDataset:
         self._pid = os.getpid()
         self._resident: dict[str, np.ndarray] | None = None
         self.resident = self._fits_in_memory() if resident is None else bool(resident)
-        if self.resident and any(schema[c].kind == "bytes" for c in self.columns):
-            raise ValueError(f"{self.path}: bytes columns cannot be held resident; leave them "
-                             "out of columns or pass resident=False")
+        if self.resident and any(schema[c].kind in ("bytes", "ragged") for c in self.columns):
+            raise ValueError(f"{self.path}: bytes and ragged columns cannot be held resident; "
+                             "leave them out of columns or pass resident=False")
 
     def _fits_in_memory(self) -> bool:
         """Whether this Parquet cache's requested columns fit the budget as whole columns."""
@@ -109,7 +109,7 @@ class CachedDataset:
         total = 0
         for name in self.columns:
             spec = manifest.schema[name]
-            if spec.kind == "bytes":
+            if spec.kind in ("bytes", "ragged"):  # ragged: read per shard for now
                 return False
             row = 64 if spec.kind == "str" else int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
             total += row * len(self._shard)

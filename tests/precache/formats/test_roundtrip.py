@@ -9,7 +9,7 @@ import pytest
 
 from precache.formats import FORMATS
 from precache.hashing import file_checksum
-from precache.schema import ColumnSpec, infer_spec, rows_to_columns
+from precache.schema import ColumnSpec, infer_spec, ragged, rows_to_columns
 
 
 def make_rows(n: int) -> list[dict]:
@@ -23,6 +23,7 @@ def make_rows(n: int) -> list[dict]:
             "score": float(i) / 3,
             "flag": bool(i % 2),
             "blob": bytes(rng.integers(0, 256, i % 7, dtype=np.uint8)),
+            "ids": ragged(rng.integers(0, 30_000, (i * 5) % 11), np.uint16),  # lengths 0..10
         }
         for i in range(n)
     ]
@@ -41,7 +42,7 @@ def test_round_trip_all_rows_and_random_batches(tmp_path: Path, name: str) -> No
     assert everything["image"].shape == (23, 6, 5, 3) and everything["image"].dtype == np.uint8
     assert everything["points"].dtype == np.float32
     indices = [7, 3, 3, 22, 0, 8, 9, 10]
-    batch = reader.read(indices, columns=["key", "image", "points", "label", "flag", "blob"])
+    batch = reader.read(indices, columns=["key", "image", "points", "label", "flag", "blob", "ids"])
     for j, i in enumerate(indices):
         assert batch["key"][j] == rows[i]["key"]
         np.testing.assert_array_equal(batch["image"][j], rows[i]["image"])
@@ -49,6 +50,9 @@ def test_round_trip_all_rows_and_random_batches(tmp_path: Path, name: str) -> No
         assert batch["label"][j] == rows[i]["label"]
         assert bool(batch["flag"][j]) == rows[i]["flag"]
         assert batch["blob"][j] == rows[i]["blob"]
+        assert batch["ids"][j].dtype == np.uint16
+        np.testing.assert_array_equal(batch["ids"][j], rows[i]["ids"])
+    assert [len(v) for v in everything["ids"]] == [len(r["ids"]) for r in rows]
     np.testing.assert_allclose(everything["score"], [r["score"] for r in rows])
     reader.close()
 
@@ -70,6 +74,17 @@ def test_rows_with_another_shape_are_refused() -> None:
     rows[1]["image"] = np.zeros((7, 5, 3), np.uint8)
     schema = {k: infer_spec(k, v) for k, v in rows[0].items()}
     with pytest.raises(ValueError, match="fixed-shape"):
+        rows_to_columns(rows, schema)
+
+
+def test_ragged_rows_must_be_one_dimensional() -> None:
+    with pytest.raises(ValueError, match="1-D numeric"):
+        ragged(np.zeros((2, 2)))
+    rows = make_rows(3)
+    rows[2]["ids"] = np.zeros((2, 2), np.uint16)
+    schema = {k: infer_spec(k, v) for k, v in rows[0].items()}
+    assert schema["ids"] == ColumnSpec("ragged", "uint16")
+    with pytest.raises(ValueError, match="ragged"):
         rows_to_columns(rows, schema)
 
 
