@@ -7,10 +7,11 @@ from precache.ops.face_crop import CropFace
 from precache.ops.face_detect import DetectFaces
 from precache.ops.face_mesh import FaceMesh, FaceRegions
 from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, ResizeCenterCrop
+from precache.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
 
 __all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample",
            "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS", "DetectFaces", "CropFace",
-           "FaceMesh", "FaceRegions"]
+           "FaceMesh", "FaceRegions", "DecodeText", "Tokenize", "TEXT_EXTENSIONS"]
 
 OPS: dict[str, type[Op]] = {
     DecodeImage.name: DecodeImage,
@@ -19,6 +20,8 @@ OPS: dict[str, type[Op]] = {
     CropFace.name: CropFace,
     FaceMesh.name: FaceMesh,
     FaceRegions.name: FaceRegions,
+    DecodeText.name: DecodeText,
+    Tokenize.name: Tokenize,
 }
 
 

@@ -1,0 +1,86 @@
+"""The text pipeline with the real MiniLM WordPiece tokenizer: token ids round-trip, labels come
+from folders, bad UTF-8 is an error with its offset, another tokenizer rebuilds, and batches are
+padded to their own longest sequence with a correct mask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import precache
+from precache.loading import CachedDataset, make_loader
+from precache.loading.text import TokenCollate
+from precache.ops.text import resolve_tokenizer
+
+pytest.importorskip("tokenizers")
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+
+DOCS = {
+    "positive/a.txt": "A wonderful film, full of warmth and wit.",
+    "positive/b.txt": "I loved every minute of it! The cast is superb.",
+    "negative/c.txt": "Dull, slow and far too long.",
+    "negative/d.txt": "The plot makes no sense; I left early. " * 20,
+    "e.txt": "\ufeffA document with a byte-order mark and accents: café, naïve.",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    for name, text in DOCS.items():
+        (root / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "in" / name).write_text(text, encoding="utf-8")
+    (root / "in" / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    return root
+
+
+def run(corpus: Path, out: str, **params) -> precache.RunSummary:
+    return precache.run("text", corpus / "in", corpus / out, params=params, workers=2,
+                        progress=False, log=lambda *a, **k: None)
+
+
+def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(corpus):
+    summary = run(corpus, "cache", max_length=64)
+    assert summary.ok == 5 and summary.failed == 1
+    error = precache.Cache(corpus / "cache").read_errors().to_pylist()[0]
+    assert error["key"] == "latin1.txt" and "byte 3" in error["message"]
+    tok = Tokenizer.from_file(str(resolve_tokenizer("minilm")))
+    tok.no_padding()
+    tok.enable_truncation(64)
+    rows = precache.Cache(corpus / "cache").read_all(["key", "ids", "length", "label"])
+    for key, ids, length, label in zip(rows["key"], rows["ids"], rows["length"], rows["label"]):
+        expected = tok.encode(DOCS[key].removeprefix("\ufeff")).ids
+        assert ids.dtype == np.uint16 and ids.tolist() == expected and length == len(expected)
+        assert label == (key.split("/")[0] if "/" in key else "")
+    assert max(rows["length"]) == 64  # the long document was truncated
+    assert tok.decode(rows["ids"][rows["key"].index("e.txt")].tolist()).startswith("a document")
+
+
+def test_another_tokenizer_rebuilds_the_cache(corpus, tmp_path):
+    run(corpus, "rebuild")
+    own = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    own.pre_tokenizer = pre_tokenizers.Whitespace()
+    own.train_from_iterator(DOCS.values(), trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    own.save(str(path))
+    again = run(corpus, "rebuild", tokenizer=str(path))
+    assert again.computed == 6 and again.reused == 0
+    rows = precache.Cache(corpus / "rebuild").read_all(["key", "ids"])
+    first = rows["ids"][rows["key"].index("positive/a.txt")]
+    assert first.tolist() == own.encode(DOCS["positive/a.txt"]).ids
+
+
+def test_batches_are_padded_to_their_longest_sequence(corpus):
+    run(corpus, "padded", max_length=64)
+    dataset = CachedDataset(corpus / "padded", columns=["ids", "length", "label"])
+    loader = make_loader(dataset, 2, shuffle=False, num_workers=0, collate_fn=TokenCollate(multiple_of=8))
+    loader.set_epoch(0)
+    for batch in loader:
+        lengths = batch["length"]
+        assert batch["input_ids"].shape[1] == -(-int(lengths.max()) // 8) * 8
+        assert torch.equal(batch["attention_mask"].sum(dim=1), lengths)
+        assert (batch["input_ids"][batch["attention_mask"] == 0] == 0).all()
+        assert isinstance(batch["label"], list)
