@@ -1,10 +1,13 @@
-"""Summarise a cache for people and scripts: schema, shards, fingerprints, errors, skip reasons."""
+"""Summarise a cache for people and scripts: schema, shards, fingerprints, errors, skip reasons,
+and the length histogram of ragged (token) columns."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
 from typing import Any
+
+import numpy as np
 
 from precache.cache import Cache
 from precache.pipeline import op_fingerprint
@@ -42,10 +45,36 @@ def describe_cache(path: str | os.PathLike[str], *, examples: int = 5) -> dict[s
         },
         "skipped": {"count": len(skipped),
                     "by_reason": dict(Counter(f"{r['stage']}: {r['message']}" for r in skipped))},
+        "lengths": _ragged_lengths(cache),
         "generation": m.generation,
         "created": m.created,
         "precache_version": m.precache_version,
     }
+
+
+def _ragged_lengths(cache: Cache, bins: int = 10) -> dict[str, Any]:
+    """Per ragged column (token ids): length statistics and a histogram, over the live rows."""
+    out: dict[str, Any] = {}
+    names = [n for n, spec in cache.manifest.schema.items() if spec.kind == "ragged"]
+    for name in names:
+        parts = []
+        for i, info in enumerate(cache.manifest.shards):
+            reader = cache.reader(i)
+            try:
+                rows = reader.read(info.live_indices() if info.deleted else None, [name])[name]
+            finally:
+                reader.close()
+            parts.append(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
+        lengths = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if not len(lengths):
+            continue
+        counts, edges = np.histogram(lengths, bins=bins)
+        out[name] = {"min": int(lengths.min()), "median": float(np.median(lengths)),
+                     "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max()),
+                     "mean": float(lengths.mean()), "total": int(lengths.sum()),
+                     "histogram": [{"from": float(a), "to": float(b), "rows": int(n)}
+                                   for a, b, n in zip(edges[:-1], edges[1:], counts)]}
+    return out
 
 
 def _size(n: float) -> str:
@@ -80,6 +109,13 @@ def format_description(d: dict[str, Any], *, max_shards: int = 10) -> str:
         lines.append(f"  {s['path']}  {s['rows']} rows  {_size(s['bytes'])}  {s['checksum'][:23]}")
     if len(d["shards"]) > max_shards:
         lines.append(f"  ... {len(d['shards']) - max_shards} more (--json lists all)")
+    for name, st in d.get("lengths", {}).items():
+        lines.append(f"lengths     {name}: min {st['min']}, median {st['median']:.0f}, "
+                     f"p95 {st['p95']:.0f}, max {st['max']}, {st['total']:,} in all")
+        peak = max(b["rows"] for b in st["histogram"]) or 1
+        for b in st["histogram"]:
+            bar = "#" * round(40 * b["rows"] / peak)
+            lines.append(f"  {b['from']:>8.0f} - {b['to']:<8.0f} {b['rows']:>7}  {bar}")
     if d["skipped"]["count"]:
         lines.append("skipped")
         lines += [f"  {n:>6}  {reason}" for reason, n in d["skipped"]["by_reason"].items()]

@@ -57,6 +57,12 @@ def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(cor
         assert label == (key.split("/")[0] if "/" in key else "")
     assert max(rows["length"]) == 64  # the long document was truncated
     assert tok.decode(rows["ids"][rows["key"].index("e.txt")].tolist()).startswith("a document")
+    from precache.inspect import describe_cache, format_description
+
+    lengths = describe_cache(corpus / "cache")["lengths"]["ids"]
+    assert lengths["max"] == 64 and lengths["total"] == sum(rows["length"])
+    assert sum(b["rows"] for b in lengths["histogram"]) == 5
+    assert "lengths     ids: min" in format_description(describe_cache(corpus / "cache"))
 
 
 def test_another_tokenizer_rebuilds_the_cache(corpus, tmp_path):
