@@ -1,13 +1,23 @@
-"""Stage-1 inputs: list a folder (or a list file) as sorted ``Input``s; read and hash their bytes."""
+"""Stage-1 inputs: list a folder (or a list file) as sorted ``Input``s; read and hash their bytes.
+
+A JSON Lines file (``.jsonl``, where the pipeline accepts it) holds many inputs: each non-empty
+line is one, keyed ``<file>:<line number>`` and located by its byte range, so one bad line is one
+failed input and a re-run recomputes only the lines whose bytes changed.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES"]
+__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES"]
+
+RECORD_SUFFIXES = (".jsonl",)
+"""Files whose lines are separate inputs (when the pipeline's extensions include the suffix)."""
+_RANGE = re.compile(r"^(?P<path>.*)#(?P<start>\d+)\+(?P<length>\d+)$")
 
 LIST_SUFFIXES = (".txt", ".lst")
 """An ``--input`` file with one of these suffixes is a list of input paths, one per line."""
@@ -55,6 +65,31 @@ def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
                         yield Input(prefix + entry.name, entry.path, -1, -1)
 
 
+def _records(item: Input) -> Iterable[Input]:
+    """The non-empty lines of a JSON Lines input, each an input of its own."""
+    try:
+        data = Path(item.locator).read_bytes()
+    except OSError:
+        yield item  # reading it fails again, with the reason, as one input
+        return
+    start = 0
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if line.strip():
+            yield Input(f"{item.key}:{number}", f"{item.locator}#{start}+{len(line)}", len(line),
+                        item.mtime_ns)
+        start += len(line) + 1
+
+
+def _expand_records(inputs: list[Input], extensions: tuple[str, ...]) -> list[Input]:
+    suffixes = tuple(s for s in RECORD_SUFFIXES if s in extensions)
+    if not suffixes:
+        return inputs
+    out: list[Input] = []
+    for item in inputs:
+        out.extend(_records(item) if item.key.lower().endswith(suffixes) else [item])
+    return out
+
+
 def _read_list(list_file: Path) -> Iterable[Input]:
     base = list_file.parent
     for line in list_file.read_text(encoding="utf-8").splitlines():
@@ -88,6 +123,7 @@ def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> li
             f"input '{root}' is neither a folder, a file ending in {', '.join(extensions)}, "
             f"nor a list of paths ({', '.join(LIST_SUFFIXES)})"
         )
+    inputs = _expand_records(inputs, extensions)
     if not inputs:
         raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
     inputs.sort(key=lambda item: item.key)
@@ -99,6 +135,15 @@ def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> li
 
 
 def read_bytes(locator: str) -> bytes:
-    """Read an input's bytes (raises ``OSError`` with the reason if it cannot)."""
+    """Read an input's bytes: a file, or a byte range ``<file>#<start>+<length>`` of one (a JSON
+    Lines record). Raises ``OSError`` with the reason if it cannot."""
+    match = _RANGE.match(locator)
+    if match and not os.path.exists(locator):
+        with open(match["path"], "rb") as f:
+            f.seek(int(match["start"]))
+            data = f.read(int(match["length"]))
+        if len(data) != int(match["length"]):
+            raise OSError(f"{match['path']} is shorter than when it was listed; re-run")
+        return data
     with open(locator, "rb") as f:
         return f.read()

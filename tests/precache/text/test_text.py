@@ -90,3 +90,35 @@ def test_batches_are_padded_to_their_longest_sequence(corpus):
         assert torch.equal(batch["attention_mask"].sum(dim=1), lengths)
         assert (batch["input_ids"][batch["attention_mask"] == 0] == 0).all()
         assert isinstance(batch["label"], list)
+
+
+def test_json_lines_are_documents_and_bad_lines_are_errors_with_their_line(tmp_path):
+    lines = [
+        '{"text": "Great value, works perfectly.", "label": "pos"}',
+        "",
+        '{"text": "Broke after a day.", "label": "neg"}',
+        '{"text": "missing quote}',
+        '{"body": "no text field"}',
+        '{"text": "No label here."}',
+    ]
+    (tmp_path / "in").mkdir()
+    corpus = tmp_path / "in" / "reviews.jsonl"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "cache"
+    summary = precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
+    assert summary.ok == 3 and summary.failed == 2
+    errors = {e["key"]: e["message"] for e in precache.Cache(out).read_errors().to_pylist()}
+    assert set(errors) == {"reviews.jsonl:4", "reviews.jsonl:5"}
+    assert "line 4 is not valid JSON" in errors["reviews.jsonl:4"]
+    assert "no string field 'text'" in errors["reviews.jsonl:5"]
+    rows = precache.Cache(out).read_all(["key", "label", "ids"])
+    assert rows["key"] == ["reviews.jsonl:1", "reviews.jsonl:3", "reviews.jsonl:6"]
+    assert rows["label"] == ["pos", "neg", ""]
+    tok = Tokenizer.from_file(str(resolve_tokenizer("minilm")))
+    tok.no_padding()
+    assert rows["ids"][1].tolist() == tok.encode("Broke after a day.").ids
+    # Edit one line: only that line is computed again.
+    lines[2] = '{"text": "Broke after a week.", "label": "neg"}'
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    again = precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
+    assert again.computed == 1
