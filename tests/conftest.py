@@ -62,3 +62,28 @@ def precache_cli(*args: str, env: dict[str, str] | None = None, timeout: float =
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "precache", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout, cwd=REPO, **kwargs)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
+    """Run a training entry point under torchrun on 127.0.0.1 with ``ranks`` CPU processes; return
+    the records it appended to ``<--out>/metrics.jsonl`` in this run."""
+    import json
+
+    out = Path(args[args.index("--out") + 1])
+    metrics = out / "metrics.jsonl"
+    before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+                           *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]

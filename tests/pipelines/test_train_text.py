@@ -3,41 +3,19 @@ kinds of documents apart, and a run stopped mid-epoch resumes from its checkpoin
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import precache
+from tests.conftest import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "pipelines" / "text" / "train.py"
 WORDS = {"cats": "cat meow purr whiskers kitten fur paw tail".split(),
          "cars": "engine wheel road fuel brake gear tire motor".split()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(ranks: int, *args: str) -> list[dict]:
-    out = Path(args[args.index("--out") + 1])
-    before = len((out / "metrics.jsonl").read_text().splitlines()) if (out / "metrics.jsonl").exists() else 0
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(TRAIN),
-                           *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()[before:]
-    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +35,7 @@ def text_cache(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_two_ranks_learn_the_labels_with_little_padding(text_cache, tmp_path):
-    records = torchrun(2, "--cache", str(text_cache), "--out", str(tmp_path / "run"),
+    records = run_torchrun(TRAIN, 2, "--cache", str(text_cache), "--out", str(tmp_path / "run"),
                        "--epochs", "4", "--batch-size", "8", "--workers", "0", "--lr", "2e-3")
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
     assert all(r["world_size"] == 2 and r["samples_per_s"] > 0 and r["tokens_per_s"] > 0
@@ -73,11 +51,11 @@ def test_two_ranks_learn_the_labels_with_little_padding(text_cache, tmp_path):
 def test_a_stopped_run_resumes_from_its_checkpoint_on_more_ranks(text_cache, tmp_path):
     out = tmp_path / "run"
     common = ["--cache", str(text_cache), "--out", str(out), "--batch-size", "4", "--workers", "0"]
-    first = torchrun(2, *common, "--epochs", "2", "--max-steps", "3")
+    first = run_torchrun(TRAIN, 2, *common, "--epochs", "2", "--max-steps", "3")
     checkpoint = torch.load(out / "last.pt", weights_only=False)
     assert first[-1]["step"] == checkpoint["step"] == 3 and checkpoint["epoch"] == 0
     assert checkpoint["sampler"]["done"] == [[2, 4, 3]]  # mid-epoch: 3 of 14 batches per rank
-    resumed = torchrun(3, *common, "--epochs", "2", "--resume", str(out / "last.pt"))
+    resumed = run_torchrun(TRAIN, 3, *common, "--epochs", "2", "--resume", str(out / "last.pt"))
     assert resumed[0]["epoch"] == 0 and resumed[0]["world_size"] == 3
     assert resumed[0]["step"] > 3  # it went on from the checkpoint, not from step 0
     assert resumed[-1]["epoch"] == 1

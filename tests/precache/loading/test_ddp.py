@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import precache
-from tests.conftest import REPO, write_photos
+from tests.conftest import REPO, free_port, write_photos
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +57,6 @@ def rank_main(cache: str, out: str, stop_after: int, shard_window: int, state_pa
         {"keys": keys, "batches": batches, "state": state, "world_size": dist.get_world_size()}))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, cache: Path, out: Path, stop_after: int = 0, shard_window: int = 0,

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 import precache
-from tests.conftest import REPO
-from tests.precache.loading.test_ddp import free_port
+from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tokenizers")
