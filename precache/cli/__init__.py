@@ -8,14 +8,14 @@ import sys
 from precache import __version__
 from precache.build import RunError
 from precache.cache import CacheBusyError
-from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, verify_cmd
+from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer_cmd, verify_cmd
 from precache.manifest import ManifestError
 from precache.pipeline import PipelineError
 from precache.sources import InputError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, inspect_cmd, verify_cmd, preview_cmd, bench_cmd)
+_COMMANDS = (run_cmd, inspect_cmd, verify_cmd, preview_cmd, bench_cmd, tokenizer_cmd)
 
 USAGE_ERRORS = (InputError, PipelineError)
 """Errors in what the user typed: one line, exit 2."""

@@ -122,3 +122,20 @@ def test_json_lines_are_documents_and_bad_lines_are_errors_with_their_line(tmp_p
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
     again = precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
     assert again.computed == 1
+
+
+@pytest.mark.parametrize("model", ["wordpiece", "bpe"])
+def test_a_tokenizer_trained_on_the_corpus_builds_the_cache(corpus, tmp_path, model):
+    from precache.cli import main
+
+    path = tmp_path / f"{model}.json"
+    assert main(["tokenizer", "train", "-i", str(corpus / "in"), "-o", str(path), "--model", model,
+                 "--vocab-size", "120", "--min-frequency", "1"]) == 0
+    trained = Tokenizer.from_file(str(path))
+    assert trained.get_vocab_size() <= 120 and trained.token_to_id("[PAD]") == 0
+    out = tmp_path / "cache"
+    precache.run("text", corpus / "in", out, params={"tokenizer": str(path)}, workers=1,
+                 progress=False, log=lambda *a, **k: None)
+    rows = precache.Cache(out).read_all(["key", "ids"])
+    ids = rows["ids"][rows["key"].index("negative/c.txt")]
+    assert trained.decode(ids.tolist()).replace(" ", "") == "dull,slowandfartoolong."
