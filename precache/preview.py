@@ -12,8 +12,9 @@ import numpy as np
 
 from precache.cache import Cache
 from precache.faces.topology import REGIONS
+from precache.loading.dataset import CachedDataset
 
-__all__ = ["read_rows", "draw_face", "contact_sheet", "write_previews", "FACE_COLUMNS"]
+__all__ = ["draw_face", "contact_sheet", "write_previews", "FACE_COLUMNS"]
 
 FACE_COLUMNS = ("key", "image", "landmarks5", "mesh", "has_mesh", "regions", "region_sizes")
 
@@ -22,33 +23,6 @@ REGION_COLOURS = {"face_oval": (255, 255, 255), "left_eye": (0, 200, 255), "righ
                   "left_brow": (0, 120, 255), "right_brow": (0, 160, 60), "nose": (255, 200, 0),
                   "mouth": (255, 60, 60)}
 LANDMARK_COLOURS = ((255, 0, 0), (0, 255, 0), (255, 255, 0), (255, 0, 255), (0, 255, 255))
-
-
-def read_rows(cache: Cache, rows: list[int], columns: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The given logical rows (deleted rows excluded, shard order) as one dict per sample."""
-    wanted = [c for c in columns if c in cache.manifest.schema]
-    starts, live = [], []
-    total = 0
-    for info in cache.manifest.shards:
-        indices = info.live_indices()
-        starts.append(total)
-        live.append(indices)
-        total += len(indices)
-    samples: dict[int, dict[str, Any]] = {}
-    for shard, indices in enumerate(live):
-        mine = [r for r in rows if starts[shard] <= r < starts[shard] + len(indices)]
-        if not mine:
-            continue
-        reader = cache.reader(shard)
-        try:
-            physical = [int(indices[r - starts[shard]]) for r in mine]
-            order = np.argsort(physical)
-            batch = reader.read([physical[i] for i in order], wanted)
-        finally:
-            reader.close()
-        for j, i in enumerate(order):
-            samples[mine[i]] = {name: batch[name][j] for name in wanted}
-    return [samples[r] for r in rows]
 
 
 def draw_face(sample: dict[str, Any], scale: int = 2) -> np.ndarray:
@@ -103,7 +77,8 @@ def write_previews(cache_path: str | os.PathLike[str], output: str | os.PathLike
     if total == 0:
         raise ValueError(f"{cache_path}: the cache has no rows to preview")
     rows = sorted({int(r) for r in np.linspace(0, total - 1, min(n, total))})
-    samples = read_rows(cache, rows, FACE_COLUMNS)
+    wanted = [c for c in FACE_COLUMNS if c in cache.manifest.schema]
+    samples = CachedDataset(cache_path, columns=wanted, resident=False).__getitems__(rows)
     columns = max(1, int(np.ceil(np.sqrt(len(samples)))))
     output = Path(output)
     sheets = [(output, [draw_face(s, scale) for s in samples])]

@@ -30,7 +30,7 @@ def face_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_two_ranks_learn_and_report_throughput_and_data_wait(face_cache, tmp_path):
     records = run_torchrun(TRAIN, 2, "--cache", str(face_cache), "--out", str(tmp_path / "run"),
-                       "--epochs", "4", "--batch-size", "4", "--workers", "0", "--lr", "3e-3")
+                           "--epochs", "4", "--batch-size", "4", "--workers", "0", "--lr", "3e-3")
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
     assert all(r["world_size"] == 2 and r["samples_per_s"] > 0 for r in records)
     assert all(0 <= r["data_wait"] <= 1 for r in records)

@@ -36,7 +36,7 @@ def text_cache(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_two_ranks_learn_the_labels_with_little_padding(text_cache, tmp_path):
     records = run_torchrun(TRAIN, 2, "--cache", str(text_cache), "--out", str(tmp_path / "run"),
-                       "--epochs", "4", "--batch-size", "8", "--workers", "0", "--lr", "2e-3")
+                           "--epochs", "4", "--batch-size", "8", "--workers", "0", "--lr", "2e-3")
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
     assert all(r["world_size"] == 2 and r["samples_per_s"] > 0 and r["tokens_per_s"] > 0
                for r in records)
