@@ -1,23 +1,21 @@
 """Stage-1 inputs: list a folder (or a list file) as sorted ``Input``s; read and hash their bytes.
 
-A JSON Lines file (``.jsonl``, where the pipeline accepts it) holds many inputs: each non-empty
-line is one, keyed ``<file>:<line number>`` and located by its byte range, so one bad line is one
-failed input and a re-run recomputes only the lines whose bytes changed.
+A JSON Lines, CSV or Parquet file (where the pipeline accepts the suffix) holds many inputs, one
+per record, keyed ``<file>:<n>`` (see ``precache.records``): one bad record is one failed input,
+and a re-run recomputes only the records whose bytes changed.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from precache.records import RECORD_SUFFIXES, natural_key, read_record, records_of
+
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES"]
 
-RECORD_SUFFIXES = (".jsonl",)
-"""Files whose lines are separate inputs (when the pipeline's extensions include the suffix)."""
-_RANGE = re.compile(r"^(?P<path>.*)#(?P<start>\d+)\+(?P<length>\d+)$")
 
 LIST_SUFFIXES = (".txt", ".lst")
 """An ``--input`` file with one of these suffixes is a list of input paths, one per line."""
@@ -66,18 +64,13 @@ def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
 
 
 def _records(item: Input) -> Iterable[Input]:
-    """The non-empty lines of a JSON Lines input, each an input of its own."""
+    """The records of a record file, each an input of its own."""
     try:
-        data = Path(item.locator).read_bytes()
+        found = [Input(f"{item.key}:{n}", locator, size, item.mtime_ns)
+                 for n, locator, size in records_of(item.locator)]
     except OSError:
-        yield item  # reading it fails again, with the reason, as one input
-        return
-    start = 0
-    for number, line in enumerate(data.split(b"\n"), start=1):
-        if line.strip():
-            yield Input(f"{item.key}:{number}", f"{item.locator}#{start}+{len(line)}", len(line),
-                        item.mtime_ns)
-        start += len(line) + 1
+        found = [item]  # reading it fails again, with the reason, as one input
+    yield from found
 
 
 def _expand_records(inputs: list[Input], extensions: tuple[str, ...]) -> list[Input]:
@@ -126,7 +119,7 @@ def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> li
     inputs = _expand_records(inputs, extensions)
     if not inputs:
         raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
-    inputs.sort(key=lambda item: item.key)
+    inputs.sort(key=lambda item: natural_key(item.key))
     keys = [item.key for item in inputs]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
@@ -135,15 +128,10 @@ def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> li
 
 
 def read_bytes(locator: str) -> bytes:
-    """Read an input's bytes: a file, or a byte range ``<file>#<start>+<length>`` of one (a JSON
-    Lines record). Raises ``OSError`` with the reason if it cannot."""
-    match = _RANGE.match(locator)
-    if match and not os.path.exists(locator):
-        with open(match["path"], "rb") as f:
-            f.seek(int(match["start"]))
-            data = f.read(int(match["length"]))
-        if len(data) != int(match["length"]):
-            raise OSError(f"{match['path']} is shorter than when it was listed; re-run")
-        return data
+    """Read an input's bytes: a file, or one record of a record file (see ``precache.records``).
+    Raises ``OSError`` with the reason if it cannot."""
+    record = read_record(locator)
+    if record is not None:
+        return record
     with open(locator, "rb") as f:
         return f.read()

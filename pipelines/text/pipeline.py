@@ -2,14 +2,18 @@
 
     precache run text --input corpus/ --output cache/          # corpus/<label>/<doc>.txt
     precache run text --input reviews.jsonl --output cache/    # {"text": ..., "label": ...} lines
+    precache run text -i reviews.csv -o cache/ --set text_field=review --set label_field=stars
+    precache run text -i corpus.parquet -o cache/              # columns text, label
     precache run text -i corpus/ -o cache/ --set tokenizer=path/to/tokenizer.json --set max_length=256
 
-Inputs: ``.txt`` files (one document each) and ``.jsonl`` files (one document per line; fields
-``text_field`` and ``label_field``). Columns: ``ids`` (ragged uint16/uint32, no padding),
-``length``, ``label`` (the JSON label, else the document's first folder under the input, e.g.
+Inputs: ``.txt`` files (one document each), and ``.jsonl``, ``.csv`` (header row first) and
+``.parquet`` files with one document per record (fields or columns ``text_field`` and
+``label_field``; see ``precache.records``). Columns: ``ids`` (ragged uint16/uint32, no padding),
+``length``, ``label`` (the record's label, else the document's first folder under the input, e.g.
 ``corpus/positive/0001.txt`` -> ``positive``; ``""`` at the top level), plus ``key``,
-``source_key``, ``source_hash``. A file that is not UTF-8, or a line that is not JSON, goes to the
-errors table (a line's key is ``<file>:<line number>``).
+``source_key``, ``source_hash``. A file that is not UTF-8, or a record that does not parse or
+lacks the text field, goes to the errors table; a record's key is ``<file>:<n>`` (the line of a
+JSON Lines or CSV record, the row index of a Parquet row).
 """
 
 from __future__ import annotations
@@ -39,6 +43,6 @@ pipeline = Pipeline(
     name="text",
     make_ops=make_ops,
     extensions=TEXT_EXTENSIONS,
-    description="UTF-8 .txt documents or .jsonl lines -> unpadded token ids (Hugging Face "
-    "tokenizers), label from the record or the folder",
+    description="UTF-8 .txt documents, or .jsonl/.csv/.parquet records -> unpadded token ids "
+    "(Hugging Face tokenizers), label from the record or the folder",
 )

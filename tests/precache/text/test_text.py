@@ -110,7 +110,7 @@ def test_json_lines_are_documents_and_bad_lines_are_errors_with_their_line(tmp_p
     errors = {e["key"]: e["message"] for e in precache.Cache(out).read_errors().to_pylist()}
     assert set(errors) == {"reviews.jsonl:4", "reviews.jsonl:5"}
     assert "line 4 is not valid JSON" in errors["reviews.jsonl:4"]
-    assert "no string field 'text'" in errors["reviews.jsonl:5"]
+    assert "no text field 'text' (its fields: 'body')" in errors["reviews.jsonl:5"]
     rows = precache.Cache(out).read_all(["key", "label", "ids"])
     assert rows["key"] == ["reviews.jsonl:1", "reviews.jsonl:3", "reviews.jsonl:6"]
     assert rows["label"] == ["pos", "neg", ""]

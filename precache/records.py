@@ -1,0 +1,217 @@
+"""Record files: a JSON Lines, CSV or Parquet file holds many inputs, one per record.
+
+Each record is an input of its own, keyed ``<file>:<n>``, so one bad record is one failed input
+and a re-run recomputes only the records whose bytes changed:
+
+- **JSON Lines** (``.jsonl``): each non-empty line; ``n`` is its line number. Its bytes are the
+  line, read by byte range.
+- **CSV** (``.csv``, RFC 4180, a header row first): each record; ``n`` is the line it starts on
+  (a quoted field may span lines). Its bytes are the header and the record, read by two byte
+  ranges: a two-row CSV that parses alone, and renaming a column changes every record's hash.
+- **Parquet** (``.parquet``): each row; ``n`` is its row index, from 0. Its bytes are the row
+  rendered as a JSON object (read from its row group; the last row group read is kept, so rows
+  read in order cost one read per row group).
+
+``parse_record`` turns a record's bytes back into a dict; errors name the line or row.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["RECORD_SUFFIXES", "is_record_key", "record_name", "records_of", "read_record",
+           "parse_record", "natural_key"]
+
+RECORD_SUFFIXES = (".jsonl", ".csv", ".parquet")
+"""Files whose records are separate inputs (when the pipeline's extensions include the suffix)."""
+
+_RECORD_KEY = re.compile(r"^(?P<file>.*\.(?:jsonl|csv|parquet)):(?P<n>\d+)$", re.IGNORECASE)
+_RANGES = re.compile(r"^(?P<path>.*)#(?P<ranges>\d+\+\d+(?:,\d+\+\d+)*)$")
+_ROW = re.compile(r"^(?P<path>.*)#row=(?P<row>\d+)$")
+_CSV_FIELD_LIMIT = 1 << 30  # the csv module's default (128 KiB) is shorter than many documents
+
+
+def is_record_key(key: str) -> bool:
+    """True for the key of one record of a record file (``reviews.csv:12``)."""
+    return _RECORD_KEY.match(key) is not None
+
+
+def record_name(key: str) -> str:
+    """How errors name a record: ``line 12`` (JSON Lines, CSV) or ``row 12`` (Parquet)."""
+    match = _RECORD_KEY.match(key)
+    if match is None:
+        return key
+    kind = "row" if match["file"].lower().endswith(".parquet") else "line"
+    return f"{kind} {match['n']}"
+
+
+def natural_key(key: str) -> tuple[str, int]:
+    """Sort key that keeps a file's records in file order (``a.jsonl:9`` before ``a.jsonl:10``)."""
+    match = _RECORD_KEY.match(key)
+    return (match["file"], int(match["n"])) if match else (key, -1)
+
+
+def records_of(path: str) -> Iterator[tuple[int, str, int]]:
+    """``(n, locator, size)`` of each record of the record file ``path`` (size 0: unknown).
+
+    Raises:
+        OSError: the file cannot be read (or, for Parquet, is not a readable Parquet file).
+    """
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        yield from _parquet_rows(path)
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    if lower.endswith(".csv"):
+        yield from _csv_records(path, data)
+    else:
+        yield from _jsonl_lines(path, data)
+
+
+def _jsonl_lines(path: str, data: bytes) -> Iterator[tuple[int, str, int]]:
+    start = 0
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if line.strip():
+            yield number, f"{path}#{start}+{len(line)}", len(line)
+        start += len(line) + 1
+
+
+def _csv_records(path: str, data: bytes) -> Iterator[tuple[int, str, int]]:
+    """Records end at a newline outside quotes: where the record's count of ``"`` is even
+    (an escaped quote is ``""``, so it keeps the count even)."""
+    header: tuple[int, int] | None = None
+    start, first, quotes, pos = -1, 0, 0, 0
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if start < 0:
+            if not line.strip():
+                pos += len(line) + 1
+                continue
+            start, first, quotes = pos, number, 0
+        quotes += line.count(b'"')
+        pos += len(line) + 1
+        if quotes % 2 == 0:
+            end = min(pos - 1, len(data))
+            if header is None:
+                header = (start, end - start)
+            else:
+                yield first, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", \
+                    header[1] + 1 + end - start
+            start = -1
+    if start >= 0 and header is not None:  # an unclosed quote: the rest is one record, which
+        end = len(data)                     # fails to parse with its line number
+        yield first, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", end - start
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, str, int]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except OSError:
+        raise
+    except Exception:  # noqa: BLE001 - not Parquet: one input, whose read fails with the reason
+        rows = 1
+    for row in range(rows):
+        yield row, f"{path}#row={row}", 0
+
+
+_row_group: tuple[tuple[str, int, int], int, list[dict[str, Any]]] | None = None
+
+
+def _parquet_row(path: str, row: int) -> bytes:
+    global _row_group
+    import pyarrow.parquet as pq
+
+    try:
+        st = os.stat(path)
+        stamp = (path, st.st_mtime_ns, st.st_size)
+        if _row_group is None or _row_group[0] != stamp or not (
+                _row_group[1] <= row < _row_group[1] + len(_row_group[2])):
+            parquet = pq.ParquetFile(path)
+            first = 0
+            for group in range(parquet.metadata.num_row_groups):
+                count = parquet.metadata.row_group(group).num_rows
+                if row < first + count:
+                    _row_group = (stamp, first, parquet.read_row_group(group).to_pylist())
+                    break
+                first += count
+            else:
+                raise OSError(f"{path} has no row {row} (it has {first}); it changed since it "
+                              "was listed: re-run")
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet
+        raise OSError(f"{path} is not a readable Parquet file ({e})") from None
+    record = _row_group[2][row - _row_group[1]]
+    return json.dumps(record, ensure_ascii=False, default=str).encode("utf-8")
+
+
+def read_record(locator: str) -> bytes | None:
+    """The bytes of the record at ``locator``, or None if it locates a whole file.
+
+    Raises:
+        OSError: the file is unreadable, or shorter than when it was listed.
+    """
+    if os.path.exists(locator):  # a file whose name merely looks like a record locator
+        return None
+    if match := _RANGES.match(locator):
+        parts = []
+        with open(match["path"], "rb") as f:
+            for span in match["ranges"].split(","):
+                start, length = (int(v) for v in span.split("+"))
+                f.seek(start)
+                data = f.read(length)
+                if len(data) != length:
+                    raise OSError(f"{match['path']} is shorter than when it was listed; re-run")
+                parts.append(data)
+        return b"\n".join(parts)
+    if match := _ROW.match(locator):
+        return _parquet_row(match["path"], int(match["row"]))
+    return None
+
+
+def parse_record(key: str, data: bytes) -> dict[str, Any]:
+    """The fields of record ``key`` from its bytes (a JSON object, or a CSV header and row).
+
+    Raises:
+        ValueError: the record is not UTF-8, not a JSON object, or not one CSV row that matches
+            the header; the message names the line or row.
+    """
+    where = record_name(key)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8: byte {e.start} is {data[e.start:e.start + 1]!r}; "
+                         "convert the file to UTF-8") from None
+    if key.lower().rsplit(":", 1)[0].endswith(".csv"):
+        return _parse_csv(where, text)
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with fields")
+    return record
+
+
+def _parse_csv(where: str, text: str) -> dict[str, Any]:
+    if csv.field_size_limit() < _CSV_FIELD_LIMIT:
+        csv.field_size_limit(_CSV_FIELD_LIMIT)
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+    except csv.Error as e:
+        raise ValueError(f"{where} is not valid CSV ({e})") from None
+    if len(rows) != 2:
+        raise ValueError(f"{where} is not one CSV record ({len(rows) - 1} found)")
+    header, values = rows
+    if len(values) != len(header):
+        raise ValueError(f"{where} has {len(values)} fields but the header has {len(header)}; "
+                         "quote fields that contain commas")
+    return dict(zip(header, values))
