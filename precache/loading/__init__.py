@@ -3,7 +3,8 @@
 from precache.loading.dataset import CachedDataset
 from precache.loading.device import DevicePrefetcher, as_nchw, to_device
 from precache.loading.loader import CacheLoader, default_workers, make_loader
+from precache.loading.packing import PackedBlocks
 from precache.loading.sampler import DistributedShardSampler
 
 __all__ = ["CachedDataset", "DistributedShardSampler", "make_loader", "CacheLoader",
-           "default_workers", "DevicePrefetcher", "to_device", "as_nchw"]
+           "default_workers", "DevicePrefetcher", "to_device", "as_nchw", "PackedBlocks"]

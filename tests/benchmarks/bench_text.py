@@ -6,7 +6,9 @@ On the fortunes corpus (``data/make_corpus.py``, ~3,000 documents; Debian's ``fo
 installed), in a temporary folder, it measures:
 
 1. stage 1: ``precache run text`` with 1 and 2 workers, inputs/s and tokens/s, best of
-   ``--repeat`` (fresh output each time);
+   ``--repeat`` (fresh output each time): on the corpus folder (3,000 files: runs of about a
+   second, where worker start-up counts), and on the corpus ``--copies`` times over as one JSON
+   Lines file (long enough for a second worker to pay off);
 2. loading, same batch size, shuffled, in-process: a dataset that reads and tokenizes each file
    in ``__getitem__`` (the usual way) against ``CachedDataset`` over the cache, both padded per
    batch by ``TokenCollate``; samples/s and the ratio;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shutil
 import sys
 import tempfile
@@ -83,6 +86,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--copies", type=int, default=10, help="JSON Lines corpus: copies of it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="precache-bench-text-"))
@@ -103,8 +107,28 @@ def main() -> None:
                              log=lambda *a, **k: None)
                 best = min(best, time.perf_counter() - start)
             tokens = int(precache.Cache(out).read_all(["length"])["length"].sum())
-            print(f"   workers={workers}: {count / best:8.0f} docs/s  {tokens / best:10,.0f} tokens/s")
+            print(f"   folder, workers={workers}: {count / best:8.0f} docs/s  "
+                  f"{tokens / best:10,.0f} tokens/s")
         cache = out
+        jsonl = work / "corpus.jsonl"
+        texts = [json.dumps({"text": f.read_text(encoding="utf-8"), "label": f.parent.name})
+                 for f in sorted(corpus.rglob("*.txt"))]
+        jsonl.write_text("\n".join(texts * args.copies) + "\n", encoding="utf-8")
+        rates = {}
+        for workers in (1, 2):
+            best = float("inf")
+            for r in range(args.repeat):
+                out = work / f"jsonl-{workers}-{r}"
+                start = time.perf_counter()
+                precache.run("text", jsonl, out, workers=workers, progress=False,
+                             log=lambda *a, **k: None)
+                best = min(best, time.perf_counter() - start)
+                shutil.rmtree(out)
+            rates[workers] = tokens * args.copies / best
+            print(f"   JSON Lines x{args.copies} ({len(texts) * args.copies} records), "
+                  f"workers={workers}: {len(texts) * args.copies / best:8.0f} docs/s  "
+                  f"{rates[workers]:10,.0f} tokens/s")
+        print(f"   2 workers / 1 worker: {rates[2] / rates[1]:.2f}x")
 
         print("\n2. loading, in-process, shuffled, padded per batch by TokenCollate (samples/s)")
         files = sorted(corpus.rglob("*.txt"))
