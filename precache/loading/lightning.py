@@ -15,12 +15,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
+import numpy as np
 from torch.utils.data import Subset
 
 from precache.loading.dataset import CachedDataset
 from precache.loading.loader import CacheLoader, make_loader
 
 __all__ = ["CacheDataModule"]
+
+
+class _Rows(Subset):
+    """Some rows of a ``CachedDataset`` that keep their ``shard_ids``, so that ``shard_window``
+    still works on the training rows when validation rows are held out."""
+
+    @property
+    def shard_ids(self) -> np.ndarray:
+        return self.dataset.shard_ids[np.asarray(self.indices, dtype=np.int64)]
 
 
 class CacheDataModule(L.LightningDataModule):
@@ -59,15 +69,14 @@ class CacheDataModule(L.LightningDataModule):
         if self.val_every:
             plain = CachedDataset(self.cache, columns=self.columns)
             rows = range(len(train))
-            self.train_set = Subset(train, [i for i in rows if i % self.val_every])
-            self.val_set = Subset(plain, [i for i in rows if not i % self.val_every])
+            self.train_set = _Rows(train, [i for i in rows if i % self.val_every])
+            self.val_set = _Rows(plain, [i for i in rows if not i % self.val_every])
         else:
             self.train_set = train
 
     def train_dataloader(self) -> CacheLoader:
-        window = self.shard_window if self.train_set is not None and not self.val_every else None
         return make_loader(self.train_set, self.batch_size, num_workers=self.num_workers,
-                           seed=self.seed, shard_window=window)
+                           seed=self.seed, shard_window=self.shard_window)
 
     def val_dataloader(self) -> CacheLoader | list:
         if self.val_set is None:

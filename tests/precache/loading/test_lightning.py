@@ -47,3 +47,29 @@ def test_a_ddp_trainer_resumes_mid_epoch_without_repeating_or_skipping(tmp_path)
     assert sum(seen.values()) == 22 and max(seen.values()) == 2
     repeated = {k for k, n in seen.items() if n == 2}  # the padding, from the resumed part only
     assert len(repeated) == 1 and not repeated & set(before[0] + before[1])
+
+
+def test_shard_window_applies_to_the_training_rows_when_validation_is_held_out(tmp_path):
+    from precache.loading.lightning import CacheDataModule
+
+    write_photos(tmp_path / "in", 40)
+    precache.run("images", tmp_path / "in", tmp_path / "cache", params={"size": 16},
+                 shard_rows=8, workers=1, progress=False, log=lambda *a, **k: None)
+    module = CacheDataModule(tmp_path / "cache", batch_size=4, val_every=5, num_workers=0,
+                             shard_window=2)
+    module.setup("fit")
+    loader = module.train_dataloader()
+    assert loader.sampler.shard_window == 2
+    loader.set_epoch(0)
+    order = list(loader.sampler)
+    assert sorted(order) == list(range(32))  # the 32 training rows, each once
+    # Shuffled within windows of 2 shards: at no point are more than 2 shards started and not
+    # finished (a plain shuffle has all 5 open almost at once).
+    left = Counter(module.train_set.shard_ids.tolist())
+    open_most = 0
+    for shard in module.train_set.shard_ids[order].tolist():
+        left[shard] -= 1
+        started = {s for s in left if left[s] < Counter(module.train_set.shard_ids.tolist())[s]}
+        open_most = max(open_most, sum(1 for s in started if left[s] > 0))
+    assert open_most <= 2
+    assert [len(b["key"]) for b in module.val_dataloader()] == [4, 4]
