@@ -3,6 +3,7 @@ applied. It reads only the cache (no detector, no mesh), so every step is cheap 
 
     torchrun --nproc_per_node=2 pipelines/faces/train.py --cache data/cache --epochs 3
     python pipelines/faces/train.py --cache data/cache --resume runs/faces/last.pt
+    sbatch pipelines/slurm/faces_4nodes_x1gpu.sbatch     # Slurm: torchrun per node, or srun python
 
 Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented crop. FaceAugment
 moves and re-indexes the points with the image, so a flip cannot teach the model to swap eyes.
@@ -24,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
+from precache.checkpoint import save_checkpoint
+from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
@@ -37,7 +40,8 @@ class AugmentForTraining:
 
     def __call__(self, sample: dict) -> dict:
         out = self.augment(sample)
-        return {"image": out["image"], "landmarks5": out["landmarks5"]}
+        keep = {"key": sample["key"]} if "key" in sample else {}  # read only for --log-keys
+        return {"image": out["image"], "landmarks5": out["landmarks5"], **keep}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N optimizer steps")
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-keys", default=None, metavar="DIR",
+                   help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv "
+                        "(to check that the ranks see each sample once per epoch)")
     return p.parse_args()
 
 
@@ -77,20 +84,6 @@ class LandmarkNet(nn.Module):
         return self.head(self.features(images)).view(-1, 5, 2)
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device from torchrun's (or srun's) environment; gloo on CPU."""
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
-
-
 def batch_to_inputs(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NHWC -> float NCHW (channels_last) in 0..1, and targets in 0..1 of the crop."""
     images = as_nchw(batch["image"]).float().div_(255)
@@ -100,7 +93,7 @@ def batch_to_inputs(batch: dict, device: torch.device) -> tuple[torch.Tensor, to
 
 def main() -> None:
     args = parse_args()
-    rank, world, device = setup_distributed()
+    rank, world, _, device = init_distributed()  # torchrun's or srun's environment
     torch.manual_seed(args.seed)  # every rank starts from the same weights
     torch.backends.cudnn.benchmark = True  # fixed input shapes
     out = Path(args.out)
@@ -110,12 +103,15 @@ def main() -> None:
     full = CachedDataset(args.cache, columns=["image", "landmarks5"])
     val_idx = list(range(0, len(full), 10))
     train_idx = [i for i in range(len(full)) if i % 10]
-    train_set = CachedDataset(args.cache, columns=COLUMNS, transform=AugmentForTraining())
+    columns = COLUMNS + ["key"] if args.log_keys else COLUMNS
+    train_set = CachedDataset(args.cache, columns=columns, transform=AugmentForTraining())
     loader = make_loader(Subset(train_set, train_idx), args.batch_size, num_workers=args.workers,
                          seed=args.seed)
     val_loader = make_loader(Subset(full, val_idx), args.batch_size, shuffle=False, num_workers=0)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
     if device.type == "cpu":  # the cores left to this rank after its loader workers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world - loader.loader.num_workers))
+        torch.set_num_threads(
+            max(1, (os.cpu_count() or 1) // local_world - loader.loader.num_workers))
 
     model = LandmarkNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
@@ -143,12 +139,16 @@ def main() -> None:
     def save(path: Path) -> None:
         if rank == 0:
             bare = model.module if isinstance(model, DistributedDataParallel) else model
-            torch.save({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
+            save_checkpoint({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                         "loader": loader.state_dict(consumed=position), "epoch": epoch, "step": step},
                        path)
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    keys_log = None
+    if args.log_keys:
+        Path(args.log_keys).mkdir(parents=True, exist_ok=True)
+        keys_log = (Path(args.log_keys) / f"keys-rank{rank}.tsv").open("a")
     while epoch < args.epochs:
         loader.set_epoch(epoch)
         net.train()
@@ -159,6 +159,8 @@ def main() -> None:
         for i, batch in enumerate(DevicePrefetcher(loader, device)):
             got = time.perf_counter()
             wait += got - tick
+            if keys_log is not None:
+                keys_log.write("".join(f"{epoch}\t{key}\n" for key in batch["key"]))
             images, targets = batch_to_inputs(batch, device)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = nn.functional.smooth_l1_loss(net(images).float(), targets, beta=0.02)
@@ -214,10 +216,11 @@ def main() -> None:
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+        if keys_log is not None:
+            keys_log.flush()
         if done:
             break
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    cleanup()
 
 
 if __name__ == "__main__":

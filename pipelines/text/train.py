@@ -3,6 +3,7 @@ checklist applied. It reads only the token ids of a ``text`` cache (no tokenizer
 
     torchrun --nproc_per_node=2 pipelines/text/train.py --cache data/textcache --epochs 3
     python pipelines/text/train.py --cache data/textcache --resume runs/text/last.pt
+    srun python pipelines/text/train.py --cache data/textcache   # Slurm: one task per GPU
 
 Batches come from a LengthBucketSampler (documents of similar length together) and are padded
 only to their own longest document, so little of each step is spent on padding. The sampler's
@@ -24,6 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
+from precache.checkpoint import save_checkpoint
+from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
@@ -48,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N optimizer steps")
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-keys", default=None, metavar="DIR",
+                   help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv "
+                        "(to check that the ranks see each sample once per epoch)")
     return p.parse_args()
 
 
@@ -71,23 +77,9 @@ class TextClassifier(nn.Module):
         return self.head((x * m).sum(1) / m.sum(1).clamp_min(1))
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device from torchrun's (or srun's) environment; gloo on CPU."""
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
-
-
 def main() -> None:
     args = parse_args()
-    rank, world, device = setup_distributed()
+    rank, world, _, device = init_distributed()  # torchrun's or srun's environment
     torch.manual_seed(args.seed)  # every rank starts from the same weights
     out = Path(args.out)
     if rank == 0:
@@ -101,7 +93,8 @@ def main() -> None:
     max_length = -(-int(lengths.max()) // 8) * 8  # TokenCollate pads to multiples of 8
     val_idx = list(range(0, len(labels), 10))
     train_idx = [i for i in range(len(labels)) if i % 10]
-    data = CachedDataset(args.cache, columns=["ids", "label"])
+    columns = ["ids", "label", "key"] if args.log_keys else ["ids", "label"]
+    data = CachedDataset(args.cache, columns=columns)
     collate = TokenCollate(column="ids", pad_id=0, multiple_of=8)
     sampler = LengthBucketSampler(lengths[train_idx], args.batch_size, seed=args.seed)  # Subset positions
     loader = DataLoader(Subset(data, train_idx), batch_sampler=sampler, collate_fn=collate,
@@ -109,8 +102,9 @@ def main() -> None:
                         persistent_workers=args.workers > 0)
     val_loader = DataLoader(Subset(data, val_idx[rank::world]), batch_size=args.batch_size,
                             collate_fn=collate, num_workers=0)  # each rank scores its share
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
     if device.type == "cpu":  # the cores left to this rank after its loader workers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world - args.workers))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world - args.workers))
 
     model = TextClassifier(len(classes), max_length).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
@@ -140,7 +134,7 @@ def main() -> None:
     def save(path: Path) -> None:
         if rank == 0:
             bare = model.module if isinstance(model, DistributedDataParallel) else model
-            torch.save({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
+            save_checkpoint({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                         "sampler": sampler.state_dict(batches=position), "classes": classes,
                         "max_length": max_length, "epoch": epoch, "step": step}, path)
@@ -151,6 +145,10 @@ def main() -> None:
                 batch["attention_mask"].to(device, non_blocking=True), targets.to(device, non_blocking=True))
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    keys_log = None
+    if args.log_keys:
+        Path(args.log_keys).mkdir(parents=True, exist_ok=True)
+        keys_log = (Path(args.log_keys) / f"keys-rank{rank}.tsv").open("a")
     while epoch < args.epochs:
         sampler.set_epoch(epoch)  # right after a resume: the rest of the checkpoint's epoch
         net.train()
@@ -162,6 +160,8 @@ def main() -> None:
         for i, batch in enumerate(loader):
             got = time.perf_counter()
             wait += got - tick
+            if keys_log is not None:
+                keys_log.write("".join(f"{epoch}\t{key}\n" for key in batch["key"]))
             ids, mask, targets = to_device(batch)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = nn.functional.cross_entropy(net(ids, mask).float(), targets)
@@ -217,10 +217,11 @@ def main() -> None:
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+        if keys_log is not None:
+            keys_log.flush()
         if done:
             break
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    cleanup()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,275 @@
+"""Multi-node launches of the trainers, for real, on this one machine.
+
+* Two torchrun "nodes" (``--nnodes=2 --node_rank=0/1``, one process each) train the faces model;
+* two plain python processes with the variables srun sets (SLURM_PROCID, ...) and no torchrun
+  variables train the text model.
+
+Each rank logs the key of every sample it trains on (``--log-keys``); the test checks that every
+training sample is seen exactly once per epoch across the two ranks. The sbatch scripts in
+pipelines/slurm/ are checked too: they parse, and their torchrun / python commands name files
+and flags that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser  # torchrun's own command line
+
+import precache
+from precache.distributed import slurm_default_port
+from precache.loading import CachedDataset
+from tests.conftest import REPO, free_port
+
+FACES = REPO / "pipelines" / "faces" / "train.py"
+TEXT = REPO / "pipelines" / "text" / "train.py"
+SBATCH = sorted((REPO / "pipelines" / "slurm").glob("*.sbatch"))
+TIMEOUT = 120.0  # seconds for one launch of both ranks
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables (in case the tests run inside one)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
+
+
+def launch(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) -> None:
+    """Run the commands side by side to the end; kill them all if one fails or time runs out."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, (command, env) in enumerate(zip(commands, envs)):
+        with open(logs / f"proc{i}.log", "w") as log:
+            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # its own session: takes its children too
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        text = "\n".join(f"--- process {i} (exit {p.returncode})\n"
+                         f"{(logs / f'proc{i}.log').read_text()[-3000:]}"
+                         for i, p in enumerate(procs))
+        pytest.fail(f"the launch failed or timed out after {TIMEOUT:.0f} s:\n{text}")
+
+
+def seen_keys(folder: Path, world: int) -> list[dict[int, list[str]]]:
+    """Per rank: epoch -> the keys that rank trained on, from ``--log-keys`` files."""
+    ranks = []
+    for rank in range(world):
+        epochs: dict[int, list[str]] = {}
+        for line in (folder / f"keys-rank{rank}.tsv").read_text().splitlines():
+            epoch, key = line.split("\t")
+            epochs.setdefault(int(epoch), []).append(key)
+        ranks.append(epochs)
+    return ranks
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_keys(cache: Path) -> list[str]:
+    """The keys both trainers train on: every index not a multiple of 10 (those validate)."""
+    dataset = CachedDataset(cache, columns=["key"])
+    keys = list(dataset.read_batch(range(len(dataset)))["key"])
+    return [key for i, key in enumerate(keys) if i % 10]
+
+
+def assert_each_sample_once_per_epoch(ranks: list[dict[int, list[str]]], train: list[str],
+                                      epochs: int, pad: int) -> None:
+    """Both ranks trained, on equal counts, on every training key once per epoch; ``pad``
+    samples repeat once (the sampler fills the last batch round of an epoch that way)."""
+    for epoch in range(epochs):
+        mine = [r[epoch] for r in ranks]
+        assert all(mine) and len({len(keys) for keys in mine}) == 1, [len(k) for k in mine]
+        counts = Counter(key for keys in mine for key in keys)
+        assert set(counts) == set(train)
+        assert sorted(counts.values()) == [1] * (len(train) - pad) + [2] * pad
+
+
+@pytest.fixture(scope="module")
+def face_cache(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("multinode_faces")
+    subprocess.run([sys.executable, str(REPO / "data" / "make_samples.py"), "--output",
+                    str(root / "photos"), "--count", "18"], check=True, capture_output=True)
+    # 15 faces found, 13 to train on: odd, so each epoch repeats one sample to even the ranks
+    precache.run("faces", root / "photos", root / "cache", params={"size": 32}, workers=1,
+                 progress=False, log=lambda *a, **k: None)
+    return root / "cache"
+
+
+@pytest.fixture(scope="module")
+def text_cache(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("multinode_text")
+    rng = random.Random(0)
+    for n in range(40):  # 36 to train on: 3 global batches of 2 ranks x 6, no padding
+        label = ["cats", "cars"][n % 2]
+        (root / "in" / label).mkdir(parents=True, exist_ok=True)
+        words = [rng.choice(["meow", "purr", "wheel", "fuel"]) for _ in range(rng.randint(3, 20))]
+        (root / "in" / label / f"{n}.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
+    precache.run("text", root / "in", root / "cache", workers=1, progress=False,
+                 log=lambda *a, **k: None)
+    return root / "cache"
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_train_on_every_sample_once_per_epoch(face_cache, tmp_path):
+    port = free_port()
+    train = [sys.executable, str(FACES), "--cache", str(face_cache), "--out", str(tmp_path / "run"),
+             "--epochs", "2", "--batch-size", "4", "--workers", "0",
+             "--log-keys", str(tmp_path / "keys")]
+    nodes = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+              *train[1:]] for node in (0, 1)]  # one torchrun per "node", as srun starts them
+    launch(nodes, [clean_env(), clean_env()], tmp_path / "logs")
+
+    records = read_metrics(tmp_path / "run")
+    assert [(r["epoch"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
+    keys = training_keys(face_cache)
+    assert len(keys) >= 8
+    ranks = seen_keys(tmp_path / "keys", 2)
+    assert_each_sample_once_per_epoch(ranks, keys, epochs=2, pad=len(keys) % 2)
+    assert ranks[0][0] != ranks[0][1]  # a new order each epoch
+
+
+@pytest.mark.slow
+def test_srun_style_tasks_without_torchrun_form_a_group_and_train_on_every_sample_once(
+        text_cache, tmp_path):
+    train = [sys.executable, str(TEXT), "--cache", str(text_cache), "--out", str(tmp_path / "run"),
+             "--epochs", "1", "--batch-size", "6", "--workers", "0",
+             "--log-keys", str(tmp_path / "keys")]
+    # What srun sets for 2 tasks on 2 nodes; the group meets at the first host of the list.
+    slurm = {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+             "SLURM_JOB_ID": "4242", "MASTER_PORT": str(free_port())}
+    envs = [clean_env(**slurm, SLURM_PROCID=str(task), SLURM_NODEID=str(task)) for task in (0, 1)]
+    launch([train, train], envs, tmp_path / "logs")
+
+    records = read_metrics(tmp_path / "run")
+    assert [(r["epoch"], r["world_size"]) for r in records] == [(0, 2)]
+    keys = training_keys(text_cache)
+    assert len(keys) == 36
+    assert_each_sample_once_per_epoch(seen_keys(tmp_path / "keys", 2), keys, epochs=1, pad=0)
+
+
+# --- the sbatch scripts -------------------------------------------------------------------------
+
+def script_commands(script: Path) -> list[list[str]]:
+    """The torchrun / python commands of an sbatch script, as words: its ``srun`` lines and the
+    commands shown in comments as ``#   $ ...``. ``bash -c '...'`` is opened up."""
+    lines, current = [], ""
+    for raw in script.read_text().splitlines():
+        comment = re.match(r"\s*#\s+\$ (.*)", raw)
+        if comment:
+            lines.append(comment[1])
+        elif not raw.lstrip().startswith("#"):
+            current += raw[:-1] + " " if raw.endswith("\\") else raw
+            if not raw.endswith("\\"):
+                lines.append(current)
+                current = ""
+    commands = []
+    for line in lines:
+        words = shlex.split(line)
+        if not words or words[0] != "srun" or "torchrun" not in line and "python" not in words:
+            continue
+        if "-c" in words and words[words.index("-c") - 1] == "bash":
+            words = shlex.split(words[words.index("-c") + 1])
+        commands.append(words)
+    return commands
+
+
+def help_flags(command: list[str]) -> set[str]:
+    done = subprocess.run(command + ["--help"], capture_output=True, text=True, cwd=REPO,
+                          timeout=60, env=clean_env(), check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return set(re.findall(r"--[a-z][\w-]*", done.stdout))
+
+
+def test_sbatch_scripts_parse_and_name_files_and_flags_that_exist():
+    assert {s.name for s in SBATCH} == {"faces_4nodes_x1gpu.sbatch", "faces_1node_x8gpu.sbatch"}
+    torchrun_flags = set(re.findall(r"--[a-z][\w-]*", get_args_parser().format_help()))
+    trainer_flags: dict[str, set[str]] = {}
+    for script in SBATCH:
+        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 0, f"{script.name}: {done.stderr}"
+        lines = script.read_text().splitlines()
+        for i, line in enumerate(lines):  # every #SBATCH line says why it is there
+            if line.startswith("#SBATCH"):
+                assert lines[i - 1].startswith("# "), f"{script.name}:{i + 1} has no comment"
+        sbatch = [line.split()[1] for line in lines if line.startswith("#SBATCH")]
+        assert "--requeue" in sbatch and "--open-mode=append" in sbatch
+
+        commands = script_commands(script)
+        launchers = sorted(next(w for w in c if w in ("torchrun", "python")) for c in commands)
+        assert launchers == ["python", "torchrun"], f"{script.name}: {commands}"
+        for words in commands:
+            at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            path = words[at]
+            assert (REPO / path).is_file(), f"{script.name} runs {path}, which does not exist"
+            if path not in trainer_flags:
+                trainer_flags[path] = help_flags([sys.executable, str(REPO / path)])
+            used = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", " ".join(words[at + 1:])))
+            unknown = used - trainer_flags[path]
+            assert used and not unknown, f"{script.name} passes {path} unknown flags {unknown}"
+            assert "--resume" in used
+            if "torchrun" in words:
+                flags = {w.split("=")[0] for w in words[words.index("torchrun") + 1:at]}
+                assert {"--nnodes", "--node_rank", "--rdzv-backend"} <= flags
+                assert flags <= torchrun_flags, f"{script.name}: {flags - torchrun_flags}"
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda s: s.name)
+@pytest.mark.parametrize("resume", [False, True])
+def test_sbatch_script_gives_torchrun_its_node_and_resumes_from_the_last_checkpoint(
+        script, resume, tmp_path):
+    """Run the script with stand-ins for srun (a task on node 3 of 4), scontrol and torchrun
+    (which records its arguments): the quoting must hand each node its own SLURM_NODEID."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "srun": f'while [[ $1 == -* ]]; do shift; done\n'
+                f'SLURM_NODEID=3 SLURM_NNODES=4 PATH="{bin_dir}:$PATH" exec "$@"',
+        "scontrol": 'echo node01; echo node02',  # show hostnames node[01-02]
+        "torchrun": f'printf "%s\\n" "$@" > "{tmp_path}/args"',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "run dir"  # a space: the path must stay one argument
+    out.mkdir()
+    if resume:
+        (out / "last.pt").write_bytes(b"")
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="123456",
+                    SLURM_JOB_NODELIST="node[01-02]", CACHE="/shared/cache", OUT=str(out))
+    done = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert {"--nnodes=4", "--node_rank=3", "--rdzv-backend=c10d", "--rdzv-id=123456",
+            f"--rdzv-endpoint=node01:{slurm_default_port(123456)}"} <= set(args)
+    script_args = args[args.index("pipelines/faces/train.py") + 1:]
+    assert script_args[:4] == ["--cache", "/shared/cache", "--out", str(out)]
+    assert ("--resume" in script_args) == resume
+    if resume:
+        assert script_args[-2:] == ["--resume", str(out / "last.pt")]
