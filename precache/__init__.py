@@ -16,10 +16,11 @@ from precache.ops import FunctionOp, Op, Skip
 from precache.pipeline import Pipeline, PipelineError, load_pipeline
 from precache.schema import ragged
 from precache.sources import InputError
+from precache.storage import StorageError
 from precache.verify import verify
 
 __all__ = [
     "__version__", "run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "Cache",
     "CacheBusyError", "FORMATS", "Manifest", "ManifestError", "Op", "FunctionOp", "Skip",
-    "Pipeline", "PipelineError", "load_pipeline", "InputError", "verify", "ragged",
+    "Pipeline", "PipelineError", "load_pipeline", "InputError", "StorageError", "verify", "ragged",
 ]

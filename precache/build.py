@@ -32,15 +32,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock
+from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock, load_manifest
 from precache.executor import WorkerDied, run_tasks
+from precache.executor_ray import require_ray, run_tasks_ray
 from precache.formats import ShardInfo, get_format
 from precache.hashing import file_checksum, hash_bytes
 from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
 from precache.sources import Input, list_inputs, read_bytes
-from precache.worker import Task, WorkerConfig
+from precache.worker import Task, WorkerConfig, write_journal_entry
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "default_workers"]
 
@@ -64,9 +65,10 @@ def default_workers() -> int:
 
 @dataclass
 class RunSummary:
-    """What a run did. Counts are over all inputs of the cache after the run."""
+    """What a run did. Counts are over all inputs of the cache after the run. ``cache`` is the
+    cache's directory, or its URL (a ``str``) for a remote cache."""
 
-    cache: Path
+    cache: Path | str
     inputs: int
     ok: int
     skipped: int
@@ -101,23 +103,25 @@ class _State:
 
 def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) -> Manifest | None:
     """Check the output may be written; clear it with ``overwrite``; return the old manifest."""
-    root = layout.root
+    store = layout.store  # the published files: in the directory, or at the URL
     old: Manifest | None = None
-    if layout.manifest.exists():
+    if store.exists("manifest.json"):
         try:
-            old = Manifest.load(layout.manifest)
+            old = load_manifest(store)
         except ManifestError as e:
             if not overwrite:
                 raise RunError(f"{e}; use --overwrite to replace it") from None
     if old is not None and old.pipeline != pipeline.name and not overwrite:
-        raise RunError(f"output '{root}' holds a cache of pipeline '{old.pipeline}', not "
-                       f"'{pipeline.name}'; use --overwrite to replace it, or another --output")
+        raise RunError(f"output '{layout.location}' holds a cache of pipeline '{old.pipeline}', "
+                       f"not '{pipeline.name}'; use --overwrite to replace it, or another --output")
     if overwrite:
-        layout.manifest.unlink(missing_ok=True)  # first: from here on it is not a cache
+        store.delete("manifest.json")  # first: from here on it is not a cache
+        store.delete_dir("shards")
         for path in (layout.shards, layout.journal, layout.staging):
             shutil.rmtree(path, ignore_errors=True)
-        for path in [layout.errors, *root.glob("index-*.parquet")]:
-            path.unlink(missing_ok=True)
+        for name in store.list():
+            if name == layout.errors.name or name.startswith("index-"):
+                store.delete(name)
         old = None
     return old
 
@@ -131,9 +135,10 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
         state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
         if old.fingerprint == fp:
             try:
-                index = pq.read_table(layout.root / old.index["path"]).to_pylist()
+                with layout.store.open_input(old.index["path"]) as f:
+                    index = pq.read_table(f).to_pylist()
             except (OSError, pa.ArrowInvalid) as e:
-                raise RunError(f"the index of cache '{layout.root}' is unreadable ({e}); "
+                raise RunError(f"the index of cache '{layout.location}' is unreadable ({e}); "
                                "use --overwrite to rebuild the cache") from None
             state.records = {r["key"]: r for r in index}
             for info in old.shards:
@@ -147,7 +152,7 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
             entry = {}
         shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
         usable = (entry.get("fingerprint") == fp and entry.get("pipeline") == name
-                  and (shard is None or _file_size(layout.root / shard.path) == shard.bytes))
+                  and (shard is None or layout.store.size(shard.path) == shard.bytes))
         if not usable:
             entry_path.unlink()
             continue
@@ -159,17 +164,11 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
             state.referenced.add(Path(shard.path).name)
         for record in entry["records"]:
             state.records[record["key"]] = record
-    for path in layout.shards.iterdir():
-        if path.name not in state.referenced:
-            path.unlink()  # an orphan: written by a run that died before journaling it
+    for shard_name in layout.store.list("shards"):
+        if shard_name not in state.referenced:
+            # an orphan: written by a run that died before journaling it
+            layout.store.delete(f"shards/{shard_name}")
     return state
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return -1
 
 
 def _classify(inputs: list[Input], state: _State) -> tuple[list[Input], dict[str, dict[str, Any]]]:
@@ -214,7 +213,7 @@ def _drop_stale_rows(layout: CacheLayout, state: _State, kept: dict[str, dict[st
         if owned in (0, info.live_rows):
             continue  # untouched, or no live rows left (the manifest will not list it)
         schema = schema_from_json(state.schemas[seq])
-        reader = shard_format.open(layout.root / info.path, schema)
+        reader = shard_format.open(layout.local_shard(info), schema)
         try:
             keys = reader.read(columns=["source_key"])["source_key"]
             live = [i for i, k in enumerate(keys) if kept.get(k, {}).get("shard") == seq]
@@ -236,11 +235,14 @@ def _drop_stale_rows(layout: CacheLayout, state: _State, kept: dict[str, dict[st
     return touched, rewritten
 
 
-def _write_table(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
+def _write_table(layout: CacheLayout, name: str, rows: list[dict[str, Any]],
+                 schema: pa.Schema) -> str:
+    """Write a table under staging, then move it to ``name`` in the cache (rename or upload)."""
+    tmp = layout.staging / f"{name}.tmp"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
-    os.replace(tmp, path)
-    return file_checksum(path)
+    checksum = file_checksum(tmp)
+    layout.store.put_file(tmp, name)
+    return checksum
 
 
 def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
@@ -252,15 +254,16 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
     used = sorted({r["shard"] for r in ordered if r["shard"] >= 0})
     schemas = {json.dumps(state.schemas[seq], sort_keys=True) for seq in used}
     if len(schemas) > 1:
-        raise RunError(f"shards of '{layout.root}' disagree on their columns ({sorted(schemas)}); "
+        raise RunError(f"shards of '{layout.location}' disagree on their columns "
+                       f"({sorted(schemas)}); "
                        "the pipeline's ops emit different columns for different inputs")
     schema = schema_from_json(state.schemas[used[0]]) if used else (
         old.schema if old is not None and old.fingerprint == fp else {})
     generation = (old.generation if old is not None else 0) + 1
-    index_path = layout.index(generation)
-    index_sum = _write_table(index_path, ordered, INDEX_SCHEMA)
+    index_name = layout.index(generation).name
+    index_sum = _write_table(layout, index_name, ordered, INDEX_SCHEMA)
     errors = [{k: r[k] for k in ERRORS_SCHEMA.names} for r in ordered if r["status"] == "failed"]
-    errors_sum = _write_table(layout.errors, errors, ERRORS_SCHEMA)
+    errors_sum = _write_table(layout, layout.errors.name, errors, ERRORS_SCHEMA)
     counts = {status: sum(r["status"] == status for r in ordered)
               for status in ("ok", "skipped", "failed")}
     shards = [state.shards[seq] for seq in used]
@@ -270,22 +273,40 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
     manifest = Manifest(
         pipeline=pipeline.name, pipeline_ref=pipeline.ref, params=params, ops=descriptions,
         fingerprint=fp, format=shard_format, schema=schema, shards=shards, counts=counts,
-        index={"path": index_path.name, "checksum": index_sum},
+        index={"path": index_name, "checksum": index_sum},
         errors={"path": layout.errors.name, "checksum": errors_sum}, source=source,
         generation=generation, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         precache_version=__version__,
     )
-    manifest.save(layout.manifest)
+    layout.store.write_bytes("manifest.json", manifest.to_bytes())  # last: now it is the cache
     keep_files = {Path(s.path).name for s in shards}
-    for path in layout.shards.iterdir():
-        if path.name not in keep_files:
-            path.unlink()
-    for path in layout.root.glob("index-*.parquet"):
-        if path != index_path:
-            path.unlink()
+    for name in layout.store.list("shards"):
+        if name not in keep_files:
+            layout.store.delete(f"shards/{name}")
+    for name in layout.store.list():
+        if name.startswith("index-") and name.endswith(".parquet") and name != index_name:
+            layout.store.delete(name)
     shutil.rmtree(layout.journal, ignore_errors=True)
     shutil.rmtree(layout.staging, ignore_errors=True)
     return manifest
+
+
+def _check_output(layout: CacheLayout) -> None:
+    """Refuse an output that is a file, or a non-empty folder (or URL prefix) holding no cache;
+    for a URL, check that its bucket exists and the credentials are accepted."""
+    if layout.url is None:
+        root = layout.root
+        if root.exists() and not root.is_dir():
+            raise RunError(f"output '{root}' exists and is not a directory")
+        holds_files = root.exists() and any(root.iterdir())
+    else:
+        layout.store.check_bucket()
+        if layout.store.size("") >= 0:
+            raise RunError(f"output '{layout.url}' is a file, not a folder of a cache")
+        holds_files = bool(layout.store.list(folders=True))
+    if holds_files and not layout.looks_like_cache():
+        raise RunError(f"output '{layout.location}' is not empty and holds no precache cache; "
+                       "choose a new or empty directory")
 
 
 def _describe_failure(record: dict[str, Any]) -> str:
@@ -306,15 +327,21 @@ def run(
     fail_fast: bool = False,
     progress: bool = True,
     log: Any = print,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> RunSummary:
     """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
 
     Args:
         pipeline: a ``Pipeline``, or a name / ``module:attr`` / path that ``load_pipeline`` finds.
         input: a folder of inputs, one input file, or a ``.txt`` list of paths.
-        output: the cache directory (created if missing).
+        output: the cache directory (created if missing), or a URL (``s3://bucket/cache``,
+            ``gs://``, ``file://``): the run then keeps its lock, journal and staging in a local
+            working directory (``precache.storage.work_dir_for``), uploads each finished
+            shard, and publishes the manifest last.
         params: overrides of the pipeline's parameters.
-        workers: worker processes (default: the cores). 1 runs in this process.
+        workers: worker processes (default: the cores). 1 runs in this process. With
+            ``executor="ray"``: Ray actors (default: the CPUs of the Ray cluster).
         format: ``parquet`` (default) or ``hdf5``.
         shard_rows: inputs per task, and so rows per shard (one task is one shard). Default
             256, or fewer for small runs so there are at least 32 shards (of at least 16).
@@ -322,6 +349,11 @@ def run(
         fail_fast: stop at the first failed input (committed shards are kept for a re-run).
         progress: show a progress bar.
         log: where one-line messages go (``print`` by default).
+        executor: ``local`` (processes on this machine) or ``ray`` (one Ray actor per worker;
+            needs ``pip install 'precache[ray]'``).
+        ray_address: with ``executor="ray"``, the address of a running Ray cluster; ``None``
+            starts a local Ray for this run. On a cluster, ``output`` must be on storage
+            that every node sees at the same path: the actors write the shards.
 
     Returns:
         A ``RunSummary``.
@@ -330,29 +362,31 @@ def run(
         InputError, PipelineError: bad input path, pipeline or parameters.
         CacheBusyError: another run holds the cache.
         RunError: the run cannot go on (fail-fast error, crashed worker, refused output).
+        StorageError: the output URL cannot be written (missing bucket, refused credentials).
     """
     start = time.perf_counter()
     if isinstance(pipeline, str):
         pipeline = load_pipeline(pipeline)
     if shard_rows is not None and shard_rows <= 0:
         raise ValueError(f"shard_rows must be positive, got {shard_rows}")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+    if executor == "ray":
+        require_ray(ray_address)  # before any work
+    ray_workers = None if workers is None else max(1, workers)  # None: the cluster's CPUs
     shard_format = get_format(format)
     resolved = pipeline.resolve_params(params)
     descriptions = [op.describe() for op in pipeline.build_ops(resolved)]
     fp = fingerprint(descriptions, format)
     inputs = list_inputs(input, pipeline.extensions)
     workers = default_workers() if workers is None else max(1, workers)
-    layout = CacheLayout(output)
-
-    if layout.root.exists() and not layout.root.is_dir():
-        raise RunError(f"output '{layout.root}' exists and is not a directory")
-    if layout.root.exists() and any(layout.root.iterdir()) and not layout.looks_like_cache():
-        raise RunError(f"output '{layout.root}' is not empty and holds no precache cache; "
-                       "choose a new or empty directory")
+    layout = CacheLayout.for_output(output)  # a URL: work locally, publish to the URL
+    _check_output(layout)
     with CacheLock(layout):
         old = _prepare_output(layout, pipeline, overwrite)
         for path in (layout.shards, layout.journal):
             path.mkdir(parents=True, exist_ok=True)
+        layout.forget_stale_journal(old.generation if old is not None else 0)
         shutil.rmtree(layout.staging, ignore_errors=True)
         layout.staging.mkdir()
         state = _load_state(layout, old, fp, pipeline.name)
@@ -367,16 +401,22 @@ def run(
         tasks = [Task(first_seq + i, tuple(todo[s:s + shard_rows]))
                  for i, s in enumerate(range(0, len(todo), shard_rows))]
         config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,
-                              cache_root=str(layout.root), format=format, fingerprint=fp,
+                              cache_root=str(layout.root), cache_url=layout.url,
+                              format=format, fingerprint=fp,
                               pipeline_name=pipeline.name, fail_fast=fail_fast)
         written = 0
         bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
                    dynamic_ncols=True)
         try:
-            for result in run_tasks(tasks, config, workers):
+            # No name for the generator: an exception must close it (stopping the workers)
+            # at once, not when its traceback is freed, after the lock is released.
+            for result in (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
+                           if executor == "ray" else run_tasks(tasks, config, workers)):
                 if result.failure is not None:
                     raise RunError(_describe_failure(result.failure) + " (--fail-fast); shards "
                                    "finished so far are kept: re-run to resume")
+                if result.journal is not None:  # a remote cache: journaled here, not by the worker
+                    write_journal_entry(layout, result.journal)
                 for record in result.records:
                     kept[record["key"]] = record
                 if result.shard is not None:
@@ -398,10 +438,11 @@ def run(
         manifest = _publish(layout, old, state, kept, pipeline, resolved, descriptions, fp,
                             format, str(input))
     wall = time.perf_counter() - start
-    cache_bytes = sum(p.stat().st_size for p in layout.root.rglob("*") if p.is_file())
+    cache_bytes = layout.store.total_bytes()
     failures = [r for r in kept.values() if r["status"] == "failed"]
     return RunSummary(
-        cache=layout.root, inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
+        cache=layout.root if layout.url is None else layout.url,
+        inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
         skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
         computed=len(todo), reused=len(inputs) - len(todo),
         deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,

@@ -1,5 +1,11 @@
 """The cache directory: its layout, the single-writer lock, and read access for stage 2 and tools.
 
+A cache is a local folder or a URL (``s3://bucket/cache``, ``gs://``, ``file://``; see
+``precache.storage``). A run writing a remote cache keeps its lock, journal and staging in a local
+working directory and uploads each finished shard straight to ``URL/shards/``; the index, the
+errors table and, last, the manifest follow when it publishes. Stage 2 reads a remote cache's
+shards through a bounded local ``DiskCache``.
+
 Layout::
 
     CACHE/manifest.json           written last, atomically; without it there is no cache
@@ -23,12 +29,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from precache.disk_cache import DiskCache
 from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
 from precache.hashing import file_checksum
-from precache.manifest import Manifest
+from precache.manifest import Manifest, ManifestError, atomic_write_bytes
 from precache.schema import ColumnSpec
+from precache.storage import Store, is_remote, local_path, work_dir_for
 
-__all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA"]
+__all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA",
+           "load_manifest"]
 
 INDEX_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -58,17 +67,60 @@ class CacheBusyError(RuntimeError):
     """Another process holds the cache's write lock."""
 
 
-class CacheLayout:
-    """Paths inside a cache directory."""
+def load_manifest(store: Store) -> Manifest:
+    """The manifest of the cache in ``store``.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    Raises:
+        ManifestError: there is none (not a cache, or a run has not finished), or it is corrupt.
+        StorageError: the bucket is missing or the storage refuses access.
+    """
+    try:
+        data = store.read_bytes("manifest.json")
+    except (FileNotFoundError, NotADirectoryError):
+        store.check_bucket()
+        raise ManifestError(
+            f"'{store.url}' is not a precache cache (no manifest.json); a run that was "
+            "interrupted leaves none: re-run it to finish the cache"
+        ) from None
+    return Manifest.from_bytes(data, store.uri("manifest.json"))
+
+
+class CacheLayout:
+    """Paths of a cache being written.
+
+    For a local cache everything is under ``root``. For a remote one (``url``), ``root`` is the
+    local working directory (lock, journal, staging) and the published files (manifest, shards,
+    index, errors) live in ``store``, at the URL. ``store`` is the published files either way.
+
+    Args:
+        root: the cache directory, or the working directory of the remote cache ``url``.
+        url: the remote cache, or ``None`` for a local cache.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], url: str | None = None) -> None:
         self.root = Path(root)
+        self.url = url
+        self.store = Store(url if url is not None else self.root)
         self.manifest = self.root / "manifest.json"
         self.shards = self.root / "shards"
         self.journal = self.root / "journal"
         self.staging = self.root / ".staging"
         self.lock = self.root / ".lock"
         self.errors = self.root / "errors.parquet"
+
+    @classmethod
+    def for_output(cls, output: str | os.PathLike[str]) -> CacheLayout:
+        """The layout of a run's ``--output``: a local path, or a URL whose working directory is
+        ``precache.storage.work_dir_for(url)``."""
+        if is_remote(output):
+            url = str(output).rstrip("/")
+            return cls(work_dir_for(url), url=url)
+        return cls(local_path(output))
+
+    @property
+    def location(self) -> str:
+        """The cache as the user named it (path or URL), for messages."""
+        return self.url if self.url is not None else str(self.root)
 
     def index(self, generation: int) -> Path:
         return self.root / f"index-{generation:05d}.parquet"
@@ -87,22 +139,51 @@ class CacheLayout:
         """Write shard ``seq`` under ``.staging/``, then rename it into ``shards/``, so a shard
         file is either absent or complete."""
         name = self.shard_name(seq, shard_format.suffix)
+        self.staging.mkdir(parents=True, exist_ok=True)  # a Ray actor on another machine
         tmp = self.staging / f"{name}.tmp-{os.getpid()}"
         shard_format.write(tmp, columns, schema)
         rows = len(next(iter(columns.values()))) if columns else 0
         info = ShardInfo(path=f"shards/{name}", rows=rows, bytes=tmp.stat().st_size,
                          checksum=file_checksum(tmp))
-        os.replace(tmp, self.shards / name)
+        self.store.put_file(tmp, info.path)  # a rename, or one upload of the finished file
         return info
 
     def looks_like_cache(self) -> bool:
         """True if the directory holds a cache or the remains of a run that wrote one."""
-        return any(p.exists() for p in (self.manifest, self.shards, self.journal, self.lock))
+        if self.journal.exists() or self.lock.exists():
+            return True
+        return self.store.exists("manifest.json") or self.store.exists("shards")
+
+    def local_shard(self, info: ShardInfo) -> Path:
+        """A local path of a published shard: the file itself in a local cache; in a remote one,
+        a verified download into staging (for a run that rewrites the shard)."""
+        if self.url is None:
+            return self.root / info.path
+        dest = self.staging / f"fetched-{Path(info.path).name}"
+        if not dest.exists():
+            self.store.download(info.path, dest, checksum=info.checksum)
+        return dest
+
+    def forget_stale_journal(self, generation: int) -> None:
+        """Drop journal entries made on top of another published generation than ``generation``,
+        then record it. Only a remote cache can change under a journal: another machine (with
+        its own working directory) may have published it since, deleting those shards."""
+        marker = self.journal / "base-generation"
+        try:
+            recorded: int | None = int(marker.read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded is not None and recorded != generation:
+            for entry in self.journal.glob("part-*.json"):
+                entry.unlink()
+        self.journal.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(marker, str(generation).encode(), fsync=False)
 
 
 class CacheLock:
     """Exclusive, non-blocking ``flock`` on ``CACHE/.lock``; released by the kernel if the
-    holder dies (kill -9), so a crashed run never blocks the next one."""
+    holder dies (kill -9), so a crashed run never blocks the next one. For a remote cache the
+    lock is in the local working directory: it keeps out runs on this machine only."""
 
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
@@ -119,7 +200,7 @@ class CacheLock:
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise CacheBusyError(
-                    f"cache '{self.layout.root}' is being written by another precache run "
+                    f"cache '{self.layout.location}' is being written by another precache run "
                     f"(pid {holder}); wait for it to finish or choose another --output"
                 ) from None
             raise
@@ -144,27 +225,40 @@ class Cache:
     """Read access to a finished cache (its manifest, shards, index and errors).
 
     Args:
-        path: the cache directory.
+        path: the cache directory, or the URL of a remote cache.
+        disk_cache: where a remote cache's shards are kept locally (default: a ``DiskCache``
+            in ``precache_home()/shards``, at most 50 GiB). Unused for local caches.
 
     Raises:
         ManifestError: the directory holds no finished cache.
+        StorageError: the URL cannot be read (unknown scheme, missing bucket, credentials).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.layout = CacheLayout(path)
-        self.manifest = Manifest.load(self.layout.manifest)
+    def __init__(self, path: str | os.PathLike[str], *,
+                 disk_cache: DiskCache | None = None) -> None:
+        self.store = Store(path)
+        self.manifest = load_manifest(self.store)
         self.format = get_format(self.manifest.format)
+        self.disk_cache = (disk_cache or DiskCache()) if self.store.remote else None
 
     def __len__(self) -> int:
         return self.manifest.rows
 
-    def shard_path(self, i: int) -> Path:
-        return self.layout.root / self.manifest.shards[i].path
+    def shard_path(self, i: int, *, recheck: bool = False) -> Path:
+        """A local path of shard ``i``; a remote shard is downloaded (and verified) first, or
+        taken from the disk cache (``recheck``: hash that copy again)."""
+        info = self.manifest.shards[i]
+        if self.disk_cache is None:
+            return Path(self.store.base) / info.path
+        return self.disk_cache.fetch(self.store, info, recheck=recheck)
 
     def reader(self, i: int) -> ShardReader:
         """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
         manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
-        return self.format.open(self.shard_path(i), self.manifest.schema)
+        reader = self.format.open(self.shard_path(i), self.manifest.schema)
+        if self.disk_cache is not None:
+            len(reader)  # open the local copy now: an open file outlives its eviction
+        return reader
 
     def read_all(self, columns: list[str] | None = None) -> dict[str, Any]:
         """All rows of ``columns`` (default all), concatenated in shard order, without deleted
@@ -191,8 +285,10 @@ class Cache:
 
     def read_index(self) -> pa.Table:
         """The per-input index table (see ``INDEX_SCHEMA``)."""
-        return pq.read_table(self.layout.root / self.manifest.index["path"])
+        with self.store.open_input(self.manifest.index["path"]) as f:
+            return pq.read_table(f)
 
     def read_errors(self) -> pa.Table:
         """The errors table (see ``ERRORS_SCHEMA``)."""
-        return pq.read_table(self.layout.root / self.manifest.errors["path"])
+        with self.store.open_input(self.manifest.errors["path"]) as f:
+            return pq.read_table(f)

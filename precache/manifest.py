@@ -123,10 +123,25 @@ class Manifest:
             extra=obj.get("extra", {}),
         )
 
+    def to_bytes(self) -> bytes:
+        """The ``manifest.json`` file's bytes."""
+        return json.dumps(self.to_json(), indent=2, sort_keys=False).encode() + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        """Parse ``manifest.json``'s bytes; ``where`` names the file in errors.
+
+        Raises:
+            ManifestError: not JSON, missing fields, or an unknown format version.
+        """
+        try:
+            return cls.from_json(json.loads(data.decode("utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ManifestError(f"'{where}' is corrupt ({type(e).__name__}: {e})") from None
+
     def save(self, path: Path) -> None:
         """Write atomically (temporary file, fsync, rename)."""
-        data = json.dumps(self.to_json(), indent=2, sort_keys=False).encode() + b"\n"
-        atomic_write_bytes(path, data)
+        atomic_write_bytes(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: Path) -> Manifest:
@@ -140,7 +155,4 @@ class Manifest:
                 f"'{path.parent}' is not a precache cache (no manifest.json); a run that was "
                 "interrupted leaves none: re-run it to finish the cache"
             )
-        try:
-            return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ManifestError(f"'{path}' is corrupt ({type(e).__name__}: {e})") from None
+        return cls.from_bytes(path.read_bytes(), str(path))

@@ -67,12 +67,19 @@ def records_of(path: str) -> Iterator[tuple[int, str, int]]:
     if lower.endswith(".parquet"):
         yield from _parquet_rows(path)
         return
-    with open(path, "rb") as f:
+    with _open(path) as f:
         data = f.read()
     if lower.endswith(".csv"):
         yield from _csv_records(path, data)
     else:
         yield from _jsonl_lines(path, data)
+
+
+def _open(path: str) -> Any:
+    """A local file, or a random-access file on object storage (``s3://...``)."""
+    from precache.storage import is_remote, open_input_file
+
+    return open_input_file(path) if is_remote(path) else open(path, "rb")
 
 
 def _jsonl_lines(path: str, data: bytes) -> Iterator[tuple[int, str, int]]:
@@ -113,7 +120,8 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, str, int]]:
     import pyarrow.parquet as pq
 
     try:
-        rows = pq.ParquetFile(path).metadata.num_rows
+        with _open(path) as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
     except OSError:
         raise
     except Exception:  # noqa: BLE001 - not Parquet: one input, whose read fails with the reason
@@ -129,22 +137,28 @@ def _parquet_row(path: str, row: int) -> bytes:
     global _row_group
     import pyarrow.parquet as pq
 
+    from precache.storage import is_remote
+
     try:
-        st = os.stat(path)
-        stamp = (path, st.st_mtime_ns, st.st_size)
+        if is_remote(path):  # one request per row would be slow: assume it does not change
+            stamp = (path, 0, 0)
+        else:
+            st = os.stat(path)
+            stamp = (path, st.st_mtime_ns, st.st_size)
         if _row_group is None or _row_group[0] != stamp or not (
                 _row_group[1] <= row < _row_group[1] + len(_row_group[2])):
-            parquet = pq.ParquetFile(path)
-            first = 0
-            for group in range(parquet.metadata.num_row_groups):
-                count = parquet.metadata.row_group(group).num_rows
-                if row < first + count:
-                    _row_group = (stamp, first, parquet.read_row_group(group).to_pylist())
-                    break
-                first += count
-            else:
-                raise OSError(f"{path} has no row {row} (it has {first}); it changed since it "
-                              "was listed: re-run")
+            with _open(path) as f:
+                parquet = pq.ParquetFile(f)
+                first = 0
+                for group in range(parquet.metadata.num_row_groups):
+                    count = parquet.metadata.row_group(group).num_rows
+                    if row < first + count:
+                        _row_group = (stamp, first, parquet.read_row_group(group).to_pylist())
+                        break
+                    first += count
+                else:
+                    raise OSError(f"{path} has no row {row} (it has {first}); it changed since "
+                                  "it was listed: re-run")
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet
@@ -159,11 +173,13 @@ def read_record(locator: str) -> bytes | None:
     Raises:
         OSError: the file is unreadable, or shorter than when it was listed.
     """
-    if os.path.exists(locator):  # a file whose name merely looks like a record locator
-        return None
+    from precache.storage import is_remote
+
+    if not is_remote(locator) and os.path.exists(locator):  # a file whose name merely looks
+        return None                                          # like a record locator
     if match := _RANGES.match(locator):
         parts = []
-        with open(match["path"], "rb") as f:
+        with _open(match["path"]) as f:
             for span in match["ranges"].split(","):
                 start, length = (int(v) for v in span.split("+"))
                 f.seek(start)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from precache.records import RECORD_SUFFIXES, natural_key, read_record, records_of
+from precache.storage import is_remote, list_remote_inputs, read_remote_bytes
 
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES"]
 
@@ -92,17 +93,8 @@ def _read_list(list_file: Path) -> Iterable[Input]:
             yield _stat_input(entry, path)
 
 
-def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> list[Input]:
-    """List the inputs under ``path``, sorted by key.
-
-    ``path`` is a folder (searched recursively for files ending in ``extensions``; hidden files
-    and folders are ignored), a single matching file, or a ``.txt``/``.lst`` file listing paths
-    (relative to the list file's folder).
-
-    Raises:
-        InputError: the path does not exist, matches nothing, or is a file of another kind.
-    """
-    root = Path(path)
+def _list_local(root: Path, extensions: tuple[str, ...]) -> list[Input]:
+    """The inputs at a local path (before record files are expanded)."""
     if not root.exists():
         raise InputError(f"input path '{root}' does not exist")
     if root.is_dir():
@@ -116,6 +108,23 @@ def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> li
             f"input '{root}' is neither a folder, a file ending in {', '.join(extensions)}, "
             f"nor a list of paths ({', '.join(LIST_SUFFIXES)})"
         )
+    return inputs
+
+
+def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> list[Input]:
+    """List the inputs under ``path``, sorted by key.
+
+    ``path`` is a folder (searched recursively for files ending in ``extensions``; hidden files
+    and folders are ignored), a single matching file, or a ``.txt``/``.lst`` file listing paths
+    (relative to the list file's folder); a local path or a URL (``s3://``, ``gs://``,
+    ``file://``; see ``precache.storage``). Record files expand to one input per record.
+
+    Raises:
+        InputError: the path does not exist, matches nothing, or is a file of another kind.
+    """
+    root = os.fspath(path)
+    inputs = (list_remote_inputs(root, extensions) if is_remote(root)
+              else _list_local(Path(root), extensions))
     inputs = _expand_records(inputs, extensions)
     if not inputs:
         raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
@@ -133,5 +142,7 @@ def read_bytes(locator: str) -> bytes:
     record = read_record(locator)
     if record is not None:
         return record
+    if is_remote(locator):
+        return read_remote_bytes(locator)
     with open(locator, "rb") as f:
         return f.read()

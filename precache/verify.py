@@ -1,15 +1,19 @@
-"""Check a cache end to end: every shard's checksum, row count and decodability, and the tables."""
+"""Check a cache end to end: every shard's checksum, row count and decodability, and the tables.
+
+A remote cache's shards are checked as stored (size) and as downloaded into the disk cache
+(checksum, rows, decoding); a local copy already there is hashed again.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from precache.cache import Cache
 from precache.hashing import file_checksum
+from precache.storage import ChecksumError
 
 __all__ = ["Problem", "verify"]
 
@@ -27,7 +31,18 @@ class Problem:
 
 def _check_shard(cache: Cache, i: int) -> str | None:
     info = cache.manifest.shards[i]
-    path = cache.shard_path(i)
+    if cache.store.remote:
+        stored = cache.store.size(info.path)
+        if stored < 0:
+            return "missing"
+        if stored != info.bytes:
+            return f"size {stored} bytes, manifest says {info.bytes} (truncated or replaced)"
+        try:
+            path = cache.shard_path(i, recheck=True)
+        except ChecksumError:
+            return f"checksum does not match the manifest's {info.checksum}"
+    else:
+        path = cache.shard_path(i)
     if not path.is_file():
         return "missing"
     size = path.stat().st_size
@@ -78,10 +93,9 @@ def verify(path: str | os.PathLike[str]) -> list[Problem]:
         if reason:
             problems.append(Problem(info.path, reason))
     for table in (cache.manifest.index, cache.manifest.errors):
-        table_path = Path(path) / table["path"]
-        if not table_path.is_file():
+        if cache.store.size(table["path"]) < 0:
             problems.append(Problem(table["path"], "missing"))
-        elif file_checksum(table_path) != table["checksum"]:
+        elif cache.store.checksum(table["path"]) != table["checksum"]:
             problems.append(Problem(table["path"], "checksum does not match the manifest"))
     if not problems:
         index = cache.read_index()

@@ -2,9 +2,10 @@
 
 A task is ``shard_rows`` consecutive inputs (in key order) and becomes exactly one shard, so the
 cache is the same whatever the number of workers. Commit order makes crashes safe: the shard is
-written under ``.staging/`` and renamed into ``shards/``, then the journal entry naming it is
-renamed into ``journal/``. A shard without a journal entry is an orphan and is deleted on the next
-run; a journal entry means the task's inputs are done and are never computed again.
+written under ``.staging/`` and renamed into ``shards/`` (or uploaded whole to a remote cache's
+``shards/``), then the journal entry naming it is renamed into ``journal/``. A shard without a
+journal entry is an orphan and is deleted on the next run; a journal entry means the task's
+inputs are done and are never computed again.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class Task:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every worker process needs: the pipeline (or how to load it) and where to write."""
+    """What every worker process needs: the pipeline (or how to load it) and where to write:
+    ``cache_root`` (the cache directory, or the local working directory of the remote cache
+    ``cache_url``, where shards are uploaded)."""
 
     pipeline: Pipeline | str
     params: dict[str, Any]
@@ -56,6 +59,7 @@ class WorkerConfig:
     pipeline_name: str
     fail_fast: bool = False
     batch_size: int = 8
+    cache_url: str | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class TaskResult:
     shard: ShardInfo | None = None
     schema: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None  # the first failed record, when fail-fast stopped it
+    journal: dict[str, Any] | None = None  # a remote cache's entry, for the driver to write
 
 
 def new_record(item: Input) -> dict[str, Any]:
@@ -230,7 +235,7 @@ def _validate(rows: list[Sample], records: list[dict[str, Any]], index: dict[str
 def _commit(task: Task, rows: list[Sample], schema: dict[str, ColumnSpec] | None,
             records: list[dict[str, Any]], index: dict[str, int],
             config: WorkerConfig) -> TaskResult:
-    layout = CacheLayout(config.cache_root)
+    layout = CacheLayout(config.cache_root, url=config.cache_url)
     shard_format = get_format(config.format)
     result = TaskResult(seq=task.seq, records=records)
     if rows and schema is not None:
@@ -244,11 +249,20 @@ def _commit(task: Task, rows: list[Sample], schema: dict[str, ColumnSpec] | None
              "format": config.format, "seq": task.seq,
              "shard": result.shard.to_json() if result.shard else None,
              "schema": result.schema, "records": records}
-    # No fsync: a journal entry only has to survive a crash of this process; after a power cut
-    # the next run checks each journaled shard's size and redoes the task if it does not match.
-    atomic_write_bytes(layout.journal / f"part-{task.seq:05d}.json",
-                       json.dumps(entry).encode(), fsync=False)
+    if config.cache_url is None:
+        write_journal_entry(layout, entry)
+    else:  # this worker may run on another machine (Ray) than the run's working directory
+        result.journal = entry
     return result
+
+
+def write_journal_entry(layout: CacheLayout, entry: dict[str, Any]) -> None:
+    """Record a committed task in the run's journal (``journal/part-NNNNN.json``).
+
+    No fsync: an entry only has to survive a crash of the process; after a power cut the next
+    run checks each journaled shard's size and redoes the task if it does not match."""
+    atomic_write_bytes(layout.journal / f"part-{entry['seq']:05d}.json",
+                       json.dumps(entry).encode(), fsync=False)
 
 
 def run_task(task: Task) -> TaskResult:

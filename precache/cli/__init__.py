@@ -12,6 +12,7 @@ from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer
 from precache.manifest import ManifestError
 from precache.pipeline import PipelineError
 from precache.sources import InputError
+from precache.storage import StorageError
 
 __all__ = ["main"]
 
@@ -19,7 +20,7 @@ _COMMANDS = (run_cmd, inspect_cmd, verify_cmd, preview_cmd, bench_cmd, tokenizer
 
 USAGE_ERRORS = (InputError, PipelineError)
 """Errors in what the user typed: one line, exit 2."""
-RUN_ERRORS = (RunError, CacheBusyError, ManifestError)
+RUN_ERRORS = (RunError, CacheBusyError, ManifestError, StorageError)
 """The job cannot go on: one line, exit 1."""
 
 

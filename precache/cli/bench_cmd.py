@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "recommend num_workers and a batch size.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("cache", help="cache directory")
+    parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
     parser.add_argument("--batch-size", type=_positive(int), default=256,
                         help="batch size of the comparison (default 256)")
     parser.add_argument("--workers", type=_workers, default=None,

@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="example:\n  precache inspect data/cache --json | jq .counts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("cache", help="cache directory")
+    parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=inspect_command)
 

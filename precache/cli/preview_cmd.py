@@ -17,7 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="example:\n  precache preview data/cache -o preview.png --n 36",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("cache", help="cache directory")
+    parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
     parser.add_argument("-o", "--output", default="preview.png",
                         help="PNG or JPEG file to write (default: %(default)s)")
     parser.add_argument("--n", type=int, default=64, help="samples to draw (default: %(default)s)")

@@ -16,6 +16,8 @@ examples:
   precache run images --input photos/ --output cache/
   precache run images -i photos/ -o cache/ --set size=224 --workers 4 --format hdf5
   precache run path/to/my_pipeline.py -i list.txt -o cache/
+  precache run faces -i photos/ -o cache/ --executor ray              # a local Ray, all cores
+  precache run faces -i /shared/photos -o /shared/cache --executor ray --address HEAD_IP:6379
 
 Re-running the same command is cheap: unchanged inputs are not recomputed, an interrupted run
 resumes where it stopped, and changed ops or parameters rebuild the cache. Inputs that fail are
@@ -50,8 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("pipeline", help="installed pipeline name (e.g. images), module:attr, "
                         "or path to a pipeline .py file")
     parser.add_argument("-i", "--input", required=True,
-                        help="folder of inputs (searched recursively), one file, or a .txt list")
-    parser.add_argument("-o", "--output", required=True, help="cache directory to write")
+                        help="folder of inputs (searched recursively), one file, or a .txt list; "
+                        "a local path or a URL (s3://, gs://, file://)")
+    parser.add_argument("-o", "--output", required=True,
+                        help="cache to write: a directory or a URL (s3://, gs://, file://)")
     parser.add_argument("-j", "--workers", type=int, default=None,
                         help=f"worker processes (default: the cores, here {default_workers()})")
     parser.add_argument("--format", choices=sorted(FORMATS), default="parquet",
@@ -66,6 +70,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first failed input with exit code 1")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--executor", choices=["local", "ray"], default="local",
+                        help="local: worker processes on this machine (default). ray: one Ray "
+                        "actor per worker, each loading the models once; without --address a "
+                        "local Ray is started for the run (needs: pip install 'precache[ray]')")
+    parser.add_argument("--address", default=None, metavar="ADDR",
+                        help="with --executor ray: a running Ray cluster (the HOST:PORT that "
+                        "`ray start --head` printed, or 'auto'); -j then defaults to the "
+                        "cluster's CPUs. The actors write the shards, so --input and --output "
+                        "must be at the same paths on every node (a shared file system)")
     parser.set_defaults(handler=run_command)
 
 
@@ -82,7 +95,7 @@ def print_summary(summary: RunSummary) -> None:
         print(f"  failed {record['key']}: [{record['stage']}] {record['error_type']}: "
               f"{record['message']}")
     if summary.failed > 5:
-        print(f"  ... {summary.failed - 5} more in {summary.cache / 'errors.parquet'}")
+        print(f"  ... {summary.failed - 5} more in {summary.cache}/errors.parquet")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -90,12 +103,15 @@ def run_command(args: argparse.Namespace) -> int:
         raise PipelineError(f"--workers must be at least 1, got {args.workers}")
     if args.shard_rows is not None and args.shard_rows < 1:
         raise PipelineError(f"--shard-rows must be at least 1, got {args.shard_rows}")
+    if args.address is not None and args.executor != "ray":
+        raise PipelineError("--address is the address of a Ray cluster: add --executor ray")
     pipeline = load_pipeline(args.pipeline)
     overrides = pipeline.parse_overrides(args.overrides)
     summary = run(
         pipeline, args.input, args.output, params=overrides, workers=args.workers,
         format=args.format, shard_rows=args.shard_rows, overwrite=args.overwrite,
-        fail_fast=args.fail_fast, progress=not args.quiet,
+        fail_fast=args.fail_fast, progress=not args.quiet, executor=args.executor,
+        ray_address=args.address,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     print_summary(summary)

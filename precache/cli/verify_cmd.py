@@ -14,7 +14,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Re-read every shard of a cache and check its checksum, row count and that "
         "every column decodes to the schema. Exit 0 if sound, 1 naming each bad file.",
     )
-    parser.add_argument("cache", help="cache directory")
+    parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
     parser.set_defaults(handler=verify_command)
 
 

@@ -10,6 +10,11 @@ shard must be decoded whole to read any row of it. When the requested columns of
 fit ``max_decoded_bytes``, they are decoded once per process into one array per column, so a
 batch is a single NumPy gather (the fastest a batch can be made). Otherwise each shard's reader
 keeps its decoded columns, and the least recently used are dropped past the budget.
+
+A remote cache (``s3://...``) is read through a local ``DiskCache``: each process downloads a
+shard the first time it needs it (once per machine: processes share the folder), checks it
+against the manifest's checksum, and reads it from local disk from then on, so epoch 2 makes no
+remote reads while the folder holds the cache.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
+from precache.disk_cache import DiskCache
 from precache.formats.base import ShardReader
 
 __all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
@@ -54,7 +60,7 @@ class CachedDataset:
     """Rows of a cache as samples: dicts of column name -> NumPy value (``key`` is a ``str``).
 
     Args:
-        cache: the cache directory.
+        cache: the cache directory, or the URL of a remote cache (``s3://bucket/cache``).
         columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
         transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
         max_decoded_bytes: per process, the decoded Parquet data kept for later batches
@@ -66,6 +72,11 @@ class CachedDataset:
             gather. Default (None): for Parquet caches whose columns fit ``max_decoded_bytes``.
             ``True`` also for HDF5 (faster batches, but each process holds its own copy instead
             of sharing the page cache); ``False`` never.
+        disk_cache_dir: with a remote cache, the local folder its shards are downloaded to
+            (default ``precache_home()/shards``, ``$PRECACHE_HOME`` moves it).
+        disk_cache_bytes: with a remote cache, the most bytes that folder keeps (default 50 GiB;
+            least recently used shards are deleted past it). Give it the whole cache for epoch 2
+            to read only from local disk.
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
@@ -74,9 +85,11 @@ class CachedDataset:
 
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
                  transform: Callable[[Sample], Sample] | None = None,
-                 max_decoded_bytes: int = 1 << 30, resident: bool | None = None) -> None:
+                 max_decoded_bytes: int = 1 << 30, resident: bool | None = None,
+                 disk_cache_dir: str | os.PathLike[str] | None = None,
+                 disk_cache_bytes: int | None = None) -> None:
         self.path = os.fspath(cache)
-        self._cache = Cache(self.path)
+        self._cache = Cache(self.path, disk_cache=DiskCache(disk_cache_dir, disk_cache_bytes))
         schema = self._cache.manifest.schema
         missing = [c for c in columns or () if c not in schema]
         if missing:
