@@ -382,7 +382,7 @@ def run(
     workers = default_workers() if workers is None else max(1, workers)
     layout = CacheLayout.for_output(output)  # a URL: work locally, publish to the URL
     _check_output(layout)
-    with CacheLock(layout):
+    with CacheLock(layout) as lock:
         old = _prepare_output(layout, pipeline, overwrite)
         for path in (layout.shards, layout.journal):
             path.mkdir(parents=True, exist_ok=True)
@@ -435,6 +435,7 @@ def run(
 
         touched, rewritten = _drop_stale_rows(layout, state, kept, shard_format,
                                               first_seq + len(tasks))
+        lock.check()  # a remote cache: still this run's lease
         manifest = _publish(layout, old, state, kept, pipeline, resolved, descriptions, fp,
                             format, str(input))
     wall = time.perf_counter() - start

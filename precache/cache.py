@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from precache.disk_cache import DiskCache
 from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
 from precache.hashing import file_checksum
+from precache.lease import LEASE_FILE, LeaseLost, WriterLease
 from precache.manifest import Manifest, ManifestError, atomic_write_bytes
 from precache.schema import ColumnSpec
 from precache.storage import Store, is_remote, local_path, work_dir_for
@@ -152,7 +153,7 @@ class CacheLayout:
         """True if the directory holds a cache or the remains of a run that wrote one."""
         if self.journal.exists() or self.lock.exists():
             return True
-        return self.store.exists("manifest.json") or self.store.exists("shards")
+        return any(self.store.exists(name) for name in ("manifest.json", "shards", LEASE_FILE))
 
     def local_shard(self, info: ShardInfo) -> Path:
         """A local path of a published shard: the file itself in a local cache; in a remote one,
@@ -183,11 +184,13 @@ class CacheLayout:
 class CacheLock:
     """Exclusive, non-blocking ``flock`` on ``CACHE/.lock``; released by the kernel if the
     holder dies (kill -9), so a crashed run never blocks the next one. For a remote cache the
-    lock is in the local working directory: it keeps out runs on this machine only."""
+    flock is in the local working directory, and a ``WriterLease`` on the URL keeps out runs on
+    other machines."""
 
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
         self._fd: int | None = None
+        self._lease: WriterLease | None = None
 
     def acquire(self) -> None:
         """Take the lock or raise ``CacheBusyError`` naming the holder."""
@@ -207,8 +210,27 @@ class CacheLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
+        if self.layout.url is not None:
+            lease = WriterLease(self.layout.store)
+            try:
+                lease.acquire()
+            except LeaseLost as e:
+                self.release()
+                raise CacheBusyError(str(e)) from None
+            self._lease = lease
+
+    def check(self) -> None:
+        """Before publishing: raise ``CacheBusyError`` if another run took the remote lease."""
+        if self._lease is not None:
+            try:
+                self._lease.check()
+            except LeaseLost as e:
+                raise CacheBusyError(f"{e}; this run did not publish its manifest") from None
 
     def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
