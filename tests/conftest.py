@@ -33,6 +33,17 @@ def write_photos(folder: Path, count: int, seed: int = 0, size: int = 48) -> lis
     return paths
 
 
+def make_face_cache(root: Path, count: int, size: int, workers: int = 1) -> Path:
+    """A faces cache (crops of ``size`` px) of ``count`` sample pictures from data/make_samples.py."""
+    import precache
+
+    subprocess.run([sys.executable, str(REPO / "data" / "make_samples.py"), "--output",
+                    str(root / "photos"), "--count", str(count)], check=True, capture_output=True)
+    precache.run("faces", root / "photos", root / "cache", params={"size": size}, workers=workers,
+                 progress=False, log=lambda *a, **k: None)
+    return root / "cache"
+
+
 @pytest.fixture
 def photos(tmp_path: Path) -> Path:
     """A folder of 24 small real photos."""

@@ -76,6 +76,18 @@ def rate(loader: DataLoader, epochs: int = 2) -> float:
     return count / (time.perf_counter() - start)
 
 
+def best_run(corpus: Path, output: Path, workers: int, repeat: int) -> tuple[float, Path]:
+    """Best wall time of ``repeat`` runs of the text pipeline (a fresh output each), and the
+    last output."""
+    best = float("inf")
+    for r in range(repeat):
+        out = output.with_name(f"{output.name}-{r}")
+        start = time.perf_counter()
+        precache.run("text", corpus, out, workers=workers, progress=False, log=lambda *a, **k: None)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
 def padding(batches: list[np.ndarray], lengths: np.ndarray) -> float:
     padded = sum(len(b) * lengths[b].max() for b in batches)
     return 1 - sum(lengths[b].sum() for b in batches) / padded
@@ -99,13 +111,7 @@ def main() -> None:
               f"{args.repeat})")
         tokens = 0
         for workers in (1, 2):
-            best = float("inf")
-            for r in range(args.repeat):
-                out = work / f"cache-{workers}-{r}"
-                start = time.perf_counter()
-                precache.run("text", corpus, out, workers=workers, progress=False,
-                             log=lambda *a, **k: None)
-                best = min(best, time.perf_counter() - start)
+            best, out = best_run(corpus, work / f"cache-{workers}", workers, args.repeat)
             tokens = int(precache.Cache(out).read_all(["length"])["length"].sum())
             print(f"   folder, workers={workers}: {count / best:8.0f} docs/s  "
                   f"{tokens / best:10,.0f} tokens/s")
@@ -116,14 +122,8 @@ def main() -> None:
         jsonl.write_text("\n".join(texts * args.copies) + "\n", encoding="utf-8")
         rates = {}
         for workers in (1, 2):
-            best = float("inf")
-            for r in range(args.repeat):
-                out = work / f"jsonl-{workers}-{r}"
-                start = time.perf_counter()
-                precache.run("text", jsonl, out, workers=workers, progress=False,
-                             log=lambda *a, **k: None)
-                best = min(best, time.perf_counter() - start)
-                shutil.rmtree(out)
+            best, out = best_run(jsonl, work / f"jsonl-{workers}", workers, args.repeat)
+            shutil.rmtree(out)
             rates[workers] = tokens * args.copies / best
             print(f"   JSON Lines x{args.copies} ({len(texts) * args.copies} records), "
                   f"workers={workers}: {len(texts) * args.copies / best:8.0f} docs/s  "

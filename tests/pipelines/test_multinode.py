@@ -30,7 +30,7 @@ from torch.distributed.run import get_args_parser  # torchrun's own command line
 import precache
 from precache.distributed import slurm_default_port
 from precache.loading import CachedDataset
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, make_face_cache
 
 FACES = REPO / "pipelines" / "faces" / "train.py"
 TEXT = REPO / "pipelines" / "text" / "train.py"
@@ -110,13 +110,8 @@ def assert_each_sample_once_per_epoch(ranks: list[dict[int, list[str]]], train: 
 
 @pytest.fixture(scope="module")
 def face_cache(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("multinode_faces")
-    subprocess.run([sys.executable, str(REPO / "data" / "make_samples.py"), "--output",
-                    str(root / "photos"), "--count", "18"], check=True, capture_output=True)
     # 15 faces found, 13 to train on: odd, so each epoch repeats one sample to even the ranks
-    precache.run("faces", root / "photos", root / "cache", params={"size": 32}, workers=1,
-                 progress=False, log=lambda *a, **k: None)
-    return root / "cache"
+    return make_face_cache(tmp_path_factory.mktemp("multinode_faces"), count=18, size=32)
 
 
 @pytest.fixture(scope="module")

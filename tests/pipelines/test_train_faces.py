@@ -3,15 +3,12 @@ stopped mid-epoch resumes from its checkpoint's step, here on 3 ranks."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import precache
-from tests.conftest import run_torchrun
+from tests.conftest import make_face_cache, run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "pipelines" / "faces" / "train.py"
@@ -19,12 +16,7 @@ TRAIN = REPO / "pipelines" / "faces" / "train.py"
 
 @pytest.fixture(scope="module")
 def face_cache(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("train")
-    subprocess.run([sys.executable, str(REPO / "data" / "make_samples.py"), "--output",
-                    str(root / "photos"), "--count", "40"], check=True, capture_output=True)
-    precache.run("faces", root / "photos", root / "cache", params={"size": 64}, workers=2,
-                 progress=False, log=lambda *a, **k: None)
-    return root / "cache"
+    return make_face_cache(tmp_path_factory.mktemp("train"), count=40, size=64, workers=2)
 
 
 @pytest.mark.slow
