@@ -51,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N optimizer steps")
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=VOCAB,
+                   help="the tokenizer's vocabulary size (default: BERT WordPiece's, the text "
+                   "pipeline's default tokenizer; for your own, what `precache tokenizer train` "
+                   "printed)")
     p.add_argument("--log-keys", default=None, metavar="DIR",
                    help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv "
                         "(to check that the ranks see each sample once per epoch)")
@@ -60,10 +64,10 @@ def parse_args() -> argparse.Namespace:
 class TextClassifier(nn.Module):
     """Token + learned position embeddings, a 2-layer encoder, mean over real tokens, a linear head."""
 
-    def __init__(self, classes: int, max_length: int, d_model: int = 128, heads: int = 4,
-                 layers: int = 2) -> None:
+    def __init__(self, classes: int, max_length: int, vocab_size: int = VOCAB, d_model: int = 128,
+                 heads: int = 4, layers: int = 2) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(VOCAB, d_model, padding_idx=0)
+        self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=0)
         self.positions = nn.Embedding(max_length, d_model)
         layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=4 * d_model, dropout=0.1,
                                            batch_first=True)
@@ -106,7 +110,7 @@ def main() -> None:
     if device.type == "cpu":  # the cores left to this rank after its loader workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world - args.workers))
 
-    model = TextClassifier(len(classes), max_length).to(device)
+    model = TextClassifier(len(classes), max_length, args.vocab_size).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
     steps_per_epoch = max(1, len(sampler) // args.accumulate)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
@@ -141,6 +145,10 @@ def main() -> None:
 
     def to_device(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         targets = torch.tensor([label_id[name] for name in batch["label"]])
+        if int(batch["input_ids"].max()) >= args.vocab_size:  # on the CPU copy: no device sync
+            raise SystemExit(f"{args.cache} holds token id {int(batch['input_ids'].max())}, "
+                             f"beyond --vocab-size {args.vocab_size}: pass the vocabulary size "
+                             "of the tokenizer that built the cache")
         return (batch["input_ids"].to(device, non_blocking=True),
                 batch["attention_mask"].to(device, non_blocking=True), targets.to(device, non_blocking=True))
 

@@ -4,6 +4,8 @@ kinds of documents apart, and a run stopped mid-epoch resumes from its checkpoin
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,12 @@ def test_a_stopped_run_resumes_from_its_checkpoint_on_more_ranks(text_cache, tmp
     assert resumed[0]["epoch"] == 0 and resumed[0]["world_size"] == 3
     assert resumed[0]["step"] > 3  # it went on from the checkpoint, not from step 0
     assert resumed[-1]["epoch"] == 1
+
+
+def test_a_vocabulary_smaller_than_the_cache_ids_is_a_clear_error(text_cache, tmp_path):
+    done = subprocess.run([sys.executable, str(TRAIN), "--cache", str(text_cache), "--out",
+                           str(tmp_path / "run"), "--epochs", "1", "--max-steps", "1",
+                           "--workers", "0", "--vocab-size", "1000"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "beyond --vocab-size 1000: pass the vocabulary size" in done.stderr
