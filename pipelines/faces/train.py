@@ -28,6 +28,7 @@ from precache.augment import FaceAugment
 from precache.checkpoint import save_checkpoint
 from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
+from precache.training import mixed_precision, open_keys_log, optimizer_step
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 
@@ -118,10 +119,7 @@ def main() -> None:
     steps_per_epoch = max(1, len(loader) // args.accumulate)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
                                                     total_steps=args.epochs * steps_per_epoch + 1)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.precision]
-    if amp_dtype is torch.float16 and device.type != "cuda":
-        raise SystemExit("--precision fp16 needs CUDA; use bf16 on CPU")
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+    amp_dtype, scaler = mixed_precision(args.precision, device)
 
     epoch, step, position = 0, 0, 0  # position: samples this rank trained on in this epoch
     if args.resume:
@@ -145,10 +143,7 @@ def main() -> None:
                        path)
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    keys_log = None
-    if args.log_keys:
-        Path(args.log_keys).mkdir(parents=True, exist_ok=True)
-        keys_log = (Path(args.log_keys) / f"keys-rank{rank}.tsv").open("a")
+    keys_log = open_keys_log(args.log_keys, rank)
     while epoch < args.epochs:
         loader.set_epoch(epoch)
         net.train()
@@ -170,14 +165,7 @@ def main() -> None:
             seen += len(images)
             position = seen  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                if args.clip:
-                    scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(net.parameters(), args.clip)
-                scaler.step(optimizer)
-                scaler.update()
-                if scheduler.last_epoch < scheduler.total_steps:  # a resume on more ranks adds steps
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(net, optimizer, scaler, scheduler, args.clip)
                 step += 1
                 if step % args.save_every == 0:
                     save(out / "last.pt")

@@ -30,6 +30,7 @@ from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
+from precache.training import mixed_precision, open_keys_log, optimizer_step
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 
@@ -115,10 +116,7 @@ def main() -> None:
     steps_per_epoch = max(1, len(sampler) // args.accumulate)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
                                                     total_steps=args.epochs * steps_per_epoch + 1)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.precision]
-    if amp_dtype is torch.float16 and device.type != "cuda":
-        raise SystemExit("--precision fp16 needs CUDA; use bf16 on CPU")
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+    amp_dtype, scaler = mixed_precision(args.precision, device)
 
     epoch, step, position = 0, 0, 0  # position: batches this rank trained on in this epoch
     if args.resume:
@@ -153,10 +151,7 @@ def main() -> None:
                 batch["attention_mask"].to(device, non_blocking=True), targets.to(device, non_blocking=True))
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    keys_log = None
-    if args.log_keys:
-        Path(args.log_keys).mkdir(parents=True, exist_ok=True)
-        keys_log = (Path(args.log_keys) / f"keys-rank{rank}.tsv").open("a")
+    keys_log = open_keys_log(args.log_keys, rank)
     while epoch < args.epochs:
         sampler.set_epoch(epoch)  # right after a resume: the rest of the checkpoint's epoch
         net.train()
@@ -181,14 +176,7 @@ def main() -> None:
             seen += len(ids)
             position = i + 1  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                if args.clip:
-                    scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(net.parameters(), args.clip)
-                scaler.step(optimizer)
-                scaler.update()
-                if scheduler.last_epoch < scheduler.total_steps:  # a resume on more ranks adds steps
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(net, optimizer, scaler, scheduler, args.clip)
                 step += 1
                 if step % args.save_every == 0:
                     save(out / "last.pt")
