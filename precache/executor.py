@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task, threads_pinned
 
-__all__ = ["run_tasks", "WorkerDied"]
+__all__ = ["run_tasks", "largest_first", "WorkerDied"]
 
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -79,6 +79,11 @@ def _result(message: tuple[str, Any]) -> TaskResult:
     return payload
 
 
+def largest_first(tasks: list[Task]) -> list[Task]:
+    """Tasks by input bytes, largest first, so that no big task starts last."""
+    return sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
+
+
 def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
     """Run ``tasks`` with ``workers`` processes in all (this one included); yield each result.
 
@@ -99,7 +104,7 @@ def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator
         context = multiprocessing.get_context("spawn")  # native models and fork do not mix
         todo, results = context.Queue(), context.Queue()
         todo.cancel_join_thread()  # tasks left behind by an abandoned run must not block exit
-        for task in sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs)):
+        for task in largest_first(tasks):
             todo.put(task)
         for _ in range(children + 1):
             todo.put(None)  # one stop sign per worker, this process included

@@ -2,9 +2,9 @@
 
 Each actor sets up the ops once (``init_worker``: models load once per actor), then takes tasks
 one at a time; whichever actor is free gets the next task (largest first), so actors finish
-together. An actor commits its task's shard and journal entry itself, straight into the output, so
-on a cluster of several machines the output must be a path that every node sees at the same place
-(a shared file system). Results come back to the driver as they complete, in completion order, as
+together. An actor commits its task's shard itself, straight into the output: on a cluster of
+several machines the output is an object-store URL (then the driver writes the journal entries)
+or a path that every node sees at the same place (a shared file system). Results come back to the driver as they complete, in completion order, as
 with ``precache.executor.run_tasks``.
 
 An actor that dies (killed, out of memory, its node lost) costs only its task: the task goes to a
@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from precache.executor import WorkerDied
+from precache.executor import WorkerDied, largest_first
 from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 
 __all__ = ["run_tasks_ray", "require_ray", "MAX_ATTEMPTS", "INSTALL_HINT"]
@@ -210,8 +210,7 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
     try:
         slots = min(workers or int(ray.cluster_resources().get("CPU", 1)), len(tasks))
         # One task in key order keeps --fail-fast's "first failing input" as with one process.
-        todo = deque(tasks if slots <= 1 else
-                     sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs)))
+        todo = deque(tasks if slots <= 1 else largest_first(tasks))
         # The environment goes as arguments, not as a Ray runtime_env: an actor with a runtime_env
         # of its own cannot use the idle worker processes Ray keeps ready (~1 s more per start).
         env = {name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}

@@ -25,6 +25,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow.parquet as pq
+
+from precache.storage import is_remote, open_input_file
+
 __all__ = ["RECORD_SUFFIXES", "is_record_key", "record_name", "records_of", "read_record",
            "parse_record", "natural_key"]
 
@@ -77,8 +81,6 @@ def records_of(path: str) -> Iterator[tuple[int, str, int]]:
 
 def _open(path: str) -> Any:
     """A local file, or a random-access file on object storage (``s3://...``)."""
-    from precache.storage import is_remote, open_input_file
-
     return open_input_file(path) if is_remote(path) else open(path, "rb")
 
 
@@ -108,17 +110,19 @@ def _csv_records(path: str, data: bytes) -> Iterator[tuple[int, str, int]]:
             if header is None:
                 header = (start, end - start)
             else:
-                yield first, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", \
-                    header[1] + 1 + end - start
+                yield _csv_record(path, header, first, start, end)
             start = -1
     if start >= 0 and header is not None:  # an unclosed quote: the rest is one record, which
-        end = len(data)                     # fails to parse with its line number
-        yield first, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", end - start
+        yield _csv_record(path, header, first, start, len(data))  # fails with its line number
+
+
+def _csv_record(path: str, header: tuple[int, int], line: int, start: int,
+                end: int) -> tuple[int, str, int]:
+    """``(line, locator, size)`` of the record at bytes ``[start, end)``: header and record."""
+    return line, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", header[1] + 1 + end - start
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, str, int]]:
-    import pyarrow.parquet as pq
-
     try:
         with _open(path) as f:
             rows = pq.ParquetFile(f).metadata.num_rows
@@ -135,10 +139,6 @@ _row_group: tuple[tuple[str, int, int], int, list[dict[str, Any]]] | None = None
 
 def _parquet_row(path: str, row: int) -> bytes:
     global _row_group
-    import pyarrow.parquet as pq
-
-    from precache.storage import is_remote
-
     try:
         if is_remote(path):  # one request per row would be slow: assume it does not change
             stamp = (path, 0, 0)
@@ -173,8 +173,6 @@ def read_record(locator: str) -> bytes | None:
     Raises:
         OSError: the file is unreadable, or shorter than when it was listed.
     """
-    from precache.storage import is_remote
-
     if not is_remote(locator) and os.path.exists(locator):  # a file whose name merely looks
         return None                                          # like a record locator
     if match := _RANGES.match(locator):

@@ -355,13 +355,14 @@ def _hidden(key: str) -> bool:
 
 
 def list_remote_inputs(url: str, extensions: tuple[str, ...]) -> list[Input]:
-    """List the inputs under the remote ``url``, sorted by key, as ``sources.list_inputs`` does
-    for local paths: a folder (prefix, searched recursively; hidden names skipped), a single
-    matching file, or a ``.txt``/``.lst`` list of URLs or paths relative to the list's folder.
-    Locators are full URLs; keys are paths relative to ``url``.
+    """The inputs at the remote ``url``, as ``sources.list_inputs`` finds them at a local path
+    (which then expands record files, sorts, and checks for none and for duplicates): a folder
+    (prefix, searched recursively; hidden names skipped), a single matching file, or a
+    ``.txt``/``.lst`` list of URLs or paths relative to the list's folder. Locators are full
+    URLs; keys are paths relative to ``url``.
 
     Raises:
-        InputError: the URL does not exist, matches nothing, or is a file of another kind.
+        InputError: the URL does not exist or is a file of another kind.
         StorageError: unknown scheme, refused credentials, unreachable server.
     """
     from precache.sources import LIST_SUFFIXES, Input, InputError
@@ -390,13 +391,6 @@ def list_remote_inputs(url: str, extensions: tuple[str, ...]) -> list[Input]:
         raise InputError(f"input '{url}' is neither a folder, a file ending in "
                          f"{', '.join(extensions)}, nor a list of paths "
                          f"({', '.join(LIST_SUFFIXES)})")
-    if not inputs:
-        raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{url}'")
-    inputs.sort(key=lambda item: item.key)
-    keys = [item.key for item in inputs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise InputError(f"input '{url}' lists '{dup}' more than once")
     return inputs
 
 

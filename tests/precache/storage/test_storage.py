@@ -10,7 +10,7 @@ import pytest
 import precache
 from precache.cache import CacheLayout
 from precache.sources import InputError, list_inputs
-from precache.storage import (Store, StorageError, is_remote, list_remote_inputs, local_path,
+from precache.storage import (Store, StorageError, is_remote, local_path,
                               open_input_file, read_remote_bytes, resolve)
 from tests.conftest import write_photos
 from tests.precache.storage.conftest import upload_folder
@@ -67,7 +67,7 @@ def test_remote_inputs_are_listed_and_read_like_local_ones(s3, bucket: str, tmp_
     upload_folder(s3, photos, f"s3://{bucket}/photos")
     extensions = (".jpg", ".png")
 
-    remote = list_remote_inputs(f"s3://{bucket}/photos", extensions)
+    remote = list_inputs(f"s3://{bucket}/photos", extensions)
     local = list_inputs(photos, extensions)
     assert [(i.key, i.size) for i in remote] == [(i.key, i.size) for i in local]
     assert [i.locator for i in remote][:1] == [f"s3://{bucket}/photos/img0000.png"]
@@ -76,15 +76,15 @@ def test_remote_inputs_are_listed_and_read_like_local_ones(s3, bucket: str, tmp_
     with open_input_file(remote[1].locator) as f:  # random access, as record files need
         assert f.read_at(5, 2) == Path(local[1].locator).read_bytes()[2:7]
 
-    listed = list_remote_inputs(f"s3://{bucket}/photos/list.txt", extensions)
+    listed = list_inputs(f"s3://{bucket}/photos/list.txt", extensions)
     assert [(i.key, i.size >= 0) for i in listed] == [
         ("img0001.jpg", True), ("nope.jpg", False), (f"s3://{bucket}/photos/sub/img0002.jpg", True)]
     with pytest.raises(FileNotFoundError):
         read_remote_bytes(listed[1].locator)  # a listed input that fails to read, as locally
     with pytest.raises(InputError, match="does not exist"):
-        list_remote_inputs(f"s3://{bucket}/elsewhere", extensions)
+        list_inputs(f"s3://{bucket}/elsewhere", extensions)
     with pytest.raises(InputError, match="no inputs ending in"):
-        list_remote_inputs(f"s3://{bucket}/photos", (".webp",))
+        list_inputs(f"s3://{bucket}/photos", (".webp",))
 
 
 def test_a_store_writes_whole_files_and_lists_them(s3, bucket: str, tmp_path: Path) -> None:
