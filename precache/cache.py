@@ -308,9 +308,9 @@ class Cache:
     def read_index(self) -> pa.Table:
         """The per-input index table (see ``INDEX_SCHEMA``)."""
         with self.store.open_input(self.manifest.index["path"]) as f:
-            return pq.read_table(f)
+            return pq.read_table(f, use_threads=False)
 
     def read_errors(self) -> pa.Table:
         """The errors table (see ``ERRORS_SCHEMA``)."""
         with self.store.open_input(self.manifest.errors["path"]) as f:
-            return pq.read_table(f)
+            return pq.read_table(f, use_threads=False)

@@ -224,6 +224,13 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int, torch.d
 
 
 def cleanup() -> None:
-    """Leave the process group, if this process joined one."""
+    """Wait for every rank, then leave the process group, if this process joined one.
+
+    Call it once training ended on every rank (not on an error path: the barrier would wait for
+    ranks that are gone). Without the barrier a rank that finished first (one that writes no
+    checkpoint) tears its connections down while rank 0 still writes, and exits before the
+    checkpoint exists.
+    """
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

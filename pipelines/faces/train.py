@@ -208,6 +208,8 @@ def main() -> None:
             keys_log.flush()
         if done:
             break
+    for dataset in (full, train_set):
+        dataset.close()  # shard buffers go now, not during the interpreter's teardown
     cleanup()
 
 

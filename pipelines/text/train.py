@@ -217,6 +217,8 @@ def main() -> None:
             keys_log.flush()
         if done:
             break
+    for dataset in (meta_set, data):
+        dataset.close()  # shard buffers go now, not during the interpreter's teardown
     cleanup()
 
 

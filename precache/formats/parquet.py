@@ -93,6 +93,8 @@ class ParquetShardReader(ShardReader):
         self._nbytes = 0
 
     def _open(self) -> pq.ParquetFile:
+        # Reads are single-threaded: DataLoader workers are the parallelism, and Arrow's CPU
+        # pool, once started, can abort a process at exit (apache/arrow#34314).
         if self._file is None:
             self._file = pq.ParquetFile(self.path, memory_map=True)
         return self._file
@@ -104,7 +106,7 @@ class ParquetShardReader(ShardReader):
         """The named columns, decoding (once) those not decoded yet."""
         missing = [n for n in names if n not in self._decoded]
         if missing:
-            table = self._open().read(columns=missing)
+            table = self._open().read(columns=missing, use_threads=False)  # see _open
             for name in missing:
                 values = _from_arrow(table.column(name), self.schema[name])
                 if self.schema[name].kind == "str":  # kept as one NumPy array, not N objects

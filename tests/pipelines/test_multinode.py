@@ -44,7 +44,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables (in case the tests run inside one)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    return dict(env, OMP_NUM_THREADS="1", **extra)
+    return dict(env, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **extra)  # stacks on a crash
 
 
 def launch(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) -> None:
@@ -68,7 +68,7 @@ def launch(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) ->
                 p.wait()
     if any(p.returncode != 0 for p in procs):
         text = "\n".join(f"--- process {i} (exit {p.returncode})\n"
-                         f"{(logs / f'proc{i}.log').read_text()[-3000:]}"
+                         f"{(logs / f'proc{i}.log').read_text()[-8000:]}"
                          for i, p in enumerate(procs))
         pytest.fail(f"the launch failed or timed out after {TIMEOUT:.0f} s:\n{text}")
 
