@@ -83,6 +83,7 @@ class RunSummary:
     cache_bytes: int
     shard_bytes_written: int
     failures: list[dict[str, Any]] = field(default_factory=list)
+    errors_table: str = ""  # the errors table's name in the cache (errors-GGGGG.parquet)
 
     @property
     def samples_per_s(self) -> float:
@@ -120,7 +121,7 @@ def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) ->
         for path in (layout.shards, layout.journal, layout.staging):
             shutil.rmtree(path, ignore_errors=True)
         for name in store.list():
-            if name == layout.errors.name or name.startswith("index-"):
+            if layout.is_table(name):
                 store.delete(name)
         old = None
     return old
@@ -263,7 +264,8 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
     index_name = layout.index(generation).name
     index_sum = _write_table(layout, index_name, ordered, INDEX_SCHEMA)
     errors = [{k: r[k] for k in ERRORS_SCHEMA.names} for r in ordered if r["status"] == "failed"]
-    errors_sum = _write_table(layout, layout.errors.name, errors, ERRORS_SCHEMA)
+    errors_name = layout.errors(generation).name
+    errors_sum = _write_table(layout, errors_name, errors, ERRORS_SCHEMA)
     counts = {status: sum(r["status"] == status for r in ordered)
               for status in ("ok", "skipped", "failed")}
     shards = [state.shards[seq] for seq in used]
@@ -274,7 +276,7 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
         pipeline=pipeline.name, pipeline_ref=pipeline.ref, params=params, ops=descriptions,
         fingerprint=fp, format=shard_format, schema=schema, shards=shards, counts=counts,
         index={"path": index_name, "checksum": index_sum},
-        errors={"path": layout.errors.name, "checksum": errors_sum}, source=source,
+        errors={"path": errors_name, "checksum": errors_sum}, source=source,
         generation=generation, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         precache_version=__version__,
     )
@@ -284,7 +286,7 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
         if name not in keep_files:
             layout.store.delete(f"shards/{name}")
     for name in layout.store.list():
-        if name.startswith("index-") and name.endswith(".parquet") and name != index_name:
+        if layout.is_table(name) and name not in (index_name, errors_name):
             layout.store.delete(name)
     shutil.rmtree(layout.journal, ignore_errors=True)
     shutil.rmtree(layout.staging, ignore_errors=True)
@@ -449,4 +451,5 @@ def run(
         deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,
         cache_bytes=cache_bytes,
         shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
+        errors_table=manifest.errors["path"],
     )

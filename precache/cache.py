@@ -10,8 +10,11 @@ Layout::
 
     CACHE/manifest.json           written last, atomically; without it there is no cache
     CACHE/shards/part-NNNNN.*     immutable shards, named by sequence number
-    CACHE/errors.parquet          inputs that failed: key, locator, stage, error type, message
     CACHE/index-GGGGG.parquet     one row per input: stat, source_hash, status, shard (generation G)
+    CACHE/errors-GGGGG.parquet    inputs that failed: key, locator, stage, error type, message
+
+The index and errors tables are named by the manifest's generation, so publishing a new one never
+changes a file the current manifest names.
     CACHE/journal/                shards committed by a run that has not published its manifest
     CACHE/.staging/               files being written; renamed into place when complete
     CACHE/.lock                   held (flock) by the run writing the cache
@@ -107,7 +110,6 @@ class CacheLayout:
         self.journal = self.root / "journal"
         self.staging = self.root / ".staging"
         self.lock = self.root / ".lock"
-        self.errors = self.root / "errors.parquet"
 
     @classmethod
     def for_output(cls, output: str | os.PathLike[str]) -> CacheLayout:
@@ -125,6 +127,16 @@ class CacheLayout:
 
     def index(self, generation: int) -> Path:
         return self.root / f"index-{generation:05d}.parquet"
+
+    def errors(self, generation: int) -> Path:
+        return self.root / f"errors-{generation:05d}.parquet"
+
+    @staticmethod
+    def is_table(name: str) -> bool:
+        """Whether ``name`` is an index or errors table of some generation (or the single
+        ``errors.parquet`` of caches written before errors tables had generations)."""
+        return name == "errors.parquet" or (
+            name.startswith(("index-", "errors-")) and name.endswith(".parquet"))
 
     @staticmethod
     def shard_name(seq: int, suffix: str) -> str:

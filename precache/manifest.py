@@ -47,7 +47,8 @@ class Manifest:
         format (str): shard format name. ``schema``: column name -> ``ColumnSpec``.
         shards (list[ShardInfo]): in row order. ``counts``: inputs, ok, skipped, failed, rows.
         index (dict): ``path`` and ``checksum`` of the per-input index table.
-        errors (dict): ``path`` and ``checksum`` of ``errors.parquet``.
+        errors (dict): ``path`` and ``checksum`` of the errors table
+            (``errors-GGGGG.parquet``, one per generation like the index).
         generation (int): bumped by every run that publishes a manifest.
     """
 

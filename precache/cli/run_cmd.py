@@ -21,7 +21,7 @@ examples:
 
 Re-running the same command is cheap: unchanged inputs are not recomputed, an interrupted run
 resumes where it stopped, and changed ops or parameters rebuild the cache. Inputs that fail are
-recorded in CACHE/errors.parquet and the run goes on (exit 0); --fail-fast stops at the first.
+recorded in the cache's errors table and the run goes on (exit 0); --fail-fast stops at the first.
 
 installed pipelines (parameters and defaults):
 {pipelines}
@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="run a stage-1 pipeline over inputs into a cache",
         description="Run a stage-1 pipeline over a folder (or list) of inputs and write a cache: "
-        "shards, manifest.json, errors.parquet.",
+        "shards, an index and an errors table, and manifest.json last.",
         epilog=EPILOG.format(pipelines=_pipeline_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -95,7 +95,8 @@ def print_summary(summary: RunSummary) -> None:
         print(f"  failed {record['key']}: [{record['stage']}] {record['error_type']}: "
               f"{record['message']}")
     if summary.failed > 5:
-        print(f"  ... {summary.failed - 5} more in {summary.cache}/errors.parquet")
+        print(f"  ... {summary.failed - 5} more in {summary.cache}/{summary.errors_table} "
+              f"(or: precache inspect {summary.cache})")
 
 
 def run_command(args: argparse.Namespace) -> int:

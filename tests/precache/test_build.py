@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import precache
 from precache import Cache, RunError
 from precache.cache import CacheLayout
+from precache.storage import Store
+from precache.verify import verify
 from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
 
 
@@ -165,6 +168,49 @@ def test_fail_fast_stops_with_the_reason_and_keeps_no_manifest(tmp_path: Path) -
     with pytest.raises(RunError, match="bomb.png.*decode_image.*max_pixels"):
         quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1, fail_fast=True)
     assert not CacheLayout(tmp_path / "c").manifest.exists()
+
+
+def test_a_run_that_dies_before_its_manifest_leaves_the_old_cache_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = make_bad_inputs(tmp_path / "in")
+    quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
+    (tmp_path / "in" / "empty.jpg").unlink()  # the next index and errors tables differ
+    write_manifest = Store.write_bytes
+
+    def die_at_the_manifest(store: Store, rel: str, data: bytes) -> None:
+        if rel == "manifest.json":
+            raise OSError("killed before the manifest")
+        write_manifest(store, rel, data)
+
+    monkeypatch.setattr(Store, "write_bytes", die_at_the_manifest)
+    with pytest.raises(OSError, match="killed before the manifest"):
+        quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
+    monkeypatch.undo()
+    assert (tmp_path / "c" / "errors-00002.parquet").exists()  # written, not yet the cache's
+    assert verify(tmp_path / "c") == []  # generation 1's tables are untouched
+    assert {r["key"] for r in Cache(tmp_path / "c").read_errors().to_pylist()} == set(expected)
+
+    summary = quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
+    assert summary.failed == 4 and summary.errors_table == "errors-00002.parquet"
+    tables = sorted(p.name for p in (tmp_path / "c").glob("*.parquet"))
+    assert tables == ["errors-00002.parquet", "index-00002.parquet"]  # generation 1's are gone
+    assert verify(tmp_path / "c") == []
+
+
+def test_a_cache_with_the_old_single_errors_file_reads_and_is_tidied_by_a_rerun(
+        tmp_path: Path) -> None:
+    make_bad_inputs(tmp_path / "in")
+    quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
+    cache = tmp_path / "c"
+    (cache / "errors-00001.parquet").rename(cache / "errors.parquet")  # as earlier versions wrote it
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["errors"]["path"] = "errors.parquet"
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(cache) == [] and Cache(cache).read_errors().num_rows == 5
+
+    (tmp_path / "in" / "empty.jpg").unlink()
+    assert quiet_run(tmp_path / "in", cache, pipeline="images", workers=1).failed == 4
+    assert not (cache / "errors.parquet").exists() and verify(cache) == []
 
 
 def test_skip_is_recorded_with_reason_and_not_retried(tmp_path: Path, photos: Path) -> None:

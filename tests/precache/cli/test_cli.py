@@ -93,6 +93,17 @@ def test_fail_fast_exits_1_naming_the_file(tmp_path: Path, photos: Path) -> None
     assert result.returncode == 0 and "1 failed" in result.stdout and "broken.jpg" in result.stdout
 
 
+def test_many_failures_point_to_the_errors_table(tmp_path: Path, photos: Path) -> None:
+    for n in range(7):
+        (photos / f"broken{n}.jpg").write_text("not a jpeg")
+    out = tmp_path / "c"
+    result = precache_cli("run", "images", "-i", str(photos), "-o", str(out), "-q")
+    assert result.returncode == 0 and "7 failed" in result.stdout
+    assert result.stdout.count("failed broken") == 5  # the first five, then where the rest are
+    assert f"... 2 more in {out}/errors-00001.parquet (or: precache inspect {out})" in result.stdout
+    assert Cache(out).read_errors().num_rows == 7
+
+
 def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "cache"
     first = subprocess.Popen(
