@@ -92,9 +92,10 @@ def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
     out = Path(args[args.index("--out") + 1])
     metrics = out / "metrics.jsonl"
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # stacks on a crash
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
                            *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, (f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
+                                  f"--- stderr\n{done.stderr[-8000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
