@@ -77,11 +77,24 @@ def precache_cli(*args: str, env: dict[str, str] | None = None, timeout: float =
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a torch.distributed rendezvous)."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 a moment ago (held open together, so they
+    differ): for servers the tests start."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tests.conftest import free_ports
+
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo")
 NODES = [f"127.0.0.{i}" for i in range(1, 5)]
 
@@ -32,19 +34,6 @@ def missing_reason() -> str | None:
     if os.geteuid() != 0:
         return "slurmd must run as root to start job steps; run the tests as root"
     return None
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass
@@ -145,7 +134,7 @@ def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    ctld_port, *node_ports = _free_ports(1 + len(NODES))
+    ctld_port, *node_ports = free_ports(1 + len(NODES))
     conf = root / "slurm.conf"
     conf.write_text(_config(root, ctld_port, node_ports))
     cluster = SlurmCluster(root, conf)

