@@ -98,7 +98,7 @@ def free_ports(count: int) -> list[int]:
 
 
 def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
-    """Run a training entry point under torchrun on 127.0.0.1 with ``ranks`` CPU processes; return
+    """Run a training entry point under torchrun (one node) with ``ranks`` CPU processes; return
     the records it appended to ``<--out>/metrics.jsonl`` in this run."""
     import json
 
@@ -106,9 +106,11 @@ def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
     metrics = out / "metrics.jsonl"
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # stacks on a crash
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-                           *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    # --standalone: torchrun binds a free port itself (no window in which another process could
+    # take one picked here).
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={ranks}", str(script), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, (f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
                                   f"--- stderr\n{done.stderr[-8000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
