@@ -12,12 +12,12 @@ Layout::
     CACHE/shards/part-NNNNN.*     immutable shards, named by sequence number
     CACHE/index-GGGGG.parquet     one row per input: stat, source_hash, status, shard (generation G)
     CACHE/errors-GGGGG.parquet    inputs that failed: key, locator, stage, error type, message
-
-The index and errors tables are named by the manifest's generation, so publishing a new one never
-changes a file the current manifest names.
     CACHE/journal/                shards committed by a run that has not published its manifest
     CACHE/.staging/               files being written; renamed into place when complete
     CACHE/.lock                   held (flock) by the run writing the cache
+
+The index and errors tables are named by the manifest's generation, so publishing a new one never
+changes a file the current manifest names.
 """
 
 from __future__ import annotations
