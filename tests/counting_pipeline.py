@@ -15,6 +15,15 @@ from precache.ops import IMAGE_EXTENSIONS, DecodeImage, Op, ResizeCenterCrop, Sa
 from precache.pipeline import Pipeline
 
 
+def append_line(log: str, line: str) -> None:
+    """Append ``line`` to the file ``log`` in one O_APPEND write, which processes may share."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{line}\n".encode())
+    finally:
+        os.close(fd)
+
+
 class CountCalls(Op):
     """Log the sample's key to ``$PRECACHE_CALL_LOG`` and sleep ``delay`` seconds."""
 
@@ -31,11 +40,7 @@ class CountCalls(Op):
     def __call__(self, sample: Sample) -> Sample:
         log = os.environ.get("PRECACHE_CALL_LOG")
         if log:
-            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, f"{os.getpid()} {sample['key']}\n".encode())
-            finally:
-                os.close(fd)
+            append_line(log, f"{os.getpid()} {sample['key']}")
         if self.delay:
             time.sleep(self.delay)
         return sample

@@ -15,6 +15,7 @@ from typing import Any
 
 from precache.ops import Op, Sample
 from precache.pipeline import Pipeline
+from tests.counting_pipeline import append_line
 from tests.counting_pipeline import make_ops as counting_ops
 from tests.counting_pipeline import pipeline as counting
 
@@ -39,11 +40,7 @@ class DieOn(Op):
     def __call__(self, sample: Sample) -> Sample:
         log = os.environ.get("PRECACHE_WHERE_LOG")
         if log:
-            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, f"{os.getpid()} {os.getppid()} {sample['key']}\n".encode())
-            finally:
-                os.close(fd)
+            append_line(log, f"{os.getpid()} {os.getppid()} {sample['key']}")
         if sample["key"] == self.die_on and not (self.marker and os.path.exists(self.marker)):
             if self.marker:
                 open(self.marker, "x").close()
