@@ -25,7 +25,8 @@ from typing import Iterator
 import pyarrow.fs as pafs
 import pytest
 
-from tests.conftest import free_ports
+import precache
+from tests.conftest import COUNTING_PIPELINE, free_ports
 
 ACCESS_KEY, SECRET_KEY = "precache-test", "precache-test-secret"
 
@@ -145,22 +146,29 @@ def bucket(s3: S3Server) -> str:
     return s3.new_bucket()
 
 
-def upload_folder(s3: S3Server, local: Path, url: str) -> None:
-    """Copy the files under ``local`` to the ``s3://`` folder ``url``."""
-    fs = s3.filesystem()
+def build(photos: Path | str, output: str | Path, **options: object) -> precache.RunSummary:
+    """Run the counting pipeline (one worker, 8 inputs per shard) from ``photos`` into
+    ``output``, quietly; ``options`` override those settings."""
+    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None)
+    return precache.run(COUNTING_PIPELINE, photos, output, **{**settings, **options})
+
+
+def upload_folder(server: S3Server | GcsServer, local: Path, url: str) -> None:
+    """Copy the files under ``local`` to the folder ``url`` (``s3://`` or ``gs://``) of
+    ``server``."""
+    fs, base = server.filesystem(), url.split("://", 1)[1]
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        key = f"{url[len('s3://'):]}/{path.relative_to(local).as_posix()}"
-        with fs.open_output_stream(key) as f:
+        with fs.open_output_stream(f"{base}/{path.relative_to(local).as_posix()}") as f:
             f.write(path.read_bytes())
 
 
-def remote_files(s3: S3Server, url: str) -> dict[str, int]:
-    """Every file under the ``s3://`` folder ``url``: relative path -> size."""
-    base = url[len("s3://"):]
-    infos = s3.filesystem().get_file_info(pafs.FileSelector(base, recursive=True,
-                                                            allow_not_found=True))
+def remote_files(server: S3Server | GcsServer, url: str) -> dict[str, int]:
+    """Every file under the folder ``url`` (``s3://`` or ``gs://``) of ``server``: relative
+    path -> size."""
+    base = url.split("://", 1)[1]
+    infos = server.filesystem().get_file_info(pafs.FileSelector(base, recursive=True,
+                                                                allow_not_found=True))
     return {i.path[len(base) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
-
 
 
 @dataclass

@@ -13,33 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import precache
 from precache import Cache, verify
 from precache.lease import LEASE_FILE
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
-from tests.precache.storage.conftest import GcsServer
-
-
-def build(photos: Path | str, output: str | Path, **options: object) -> precache.RunSummary:
-    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None)
-    return precache.run(COUNTING_PIPELINE, photos, output, **{**settings, **options})
-
-
-def upload(gcs: GcsServer, local: Path, url: str) -> None:
-    fs = gcs.filesystem()
-    for path in sorted(p for p in local.iterdir() if p.is_file()):
-        with fs.open_output_stream(f"{url[len('gs://'):]}/{path.name}") as f:
-            f.write(path.read_bytes())
-
-
-def files_under(gcs: GcsServer, url: str) -> list[str]:
-    from pyarrow.fs import FileSelector, FileType
-
-    base = url[len("gs://"):]
-    infos = gcs.filesystem().get_file_info(FileSelector(base, recursive=True, allow_not_found=True))
-    return sorted(i.path[len(base) + 1:] for i in infos if i.type == FileType.File)
+from tests.precache.storage.conftest import GcsServer, build, remote_files, upload_folder
 
 
 def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(
@@ -48,14 +27,14 @@ def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(
     names = sorted(p.name for p in write_photos(photos, 20))
     bucket = gcs.new_bucket()
     inputs, url = f"gs://{bucket}/photos", f"gs://{bucket}/cache"
-    upload(gcs, photos, inputs)
+    upload_folder(gcs, photos, inputs)
 
     remote = build(inputs, url, workers=2)
     local = build(photos, tmp_path / "local")
     assert remote.cache == url and remote.rows == local.rows == 20
     shards = Cache(url).manifest.shards
     assert [s.checksum for s in shards] == [s.checksum for s in Cache(local.cache).manifest.shards]
-    assert files_under(gcs, url) == sorted(
+    assert sorted(remote_files(gcs, url)) == sorted(
         ["manifest.json", "index-00001.parquet", "errors-00001.parquet", *(s.path for s in shards)])
     assert verify(url) == []
 
@@ -65,7 +44,7 @@ def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(
     again = build(inputs, url)
     assert read_calls(call_log) == [names[3]]
     assert (again.computed, again.reused, Cache(url).manifest.generation) == (1, 19, 2)
-    assert "index-00001.parquet" not in files_under(gcs, url) and verify(url) == []
+    assert "index-00001.parquet" not in remote_files(gcs, url) and verify(url) == []
 
 
 def test_stage_two_reads_a_gs_cache_through_the_disk_cache(gcs: GcsServer, tmp_path: Path) -> None:

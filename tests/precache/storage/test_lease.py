@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,16 +17,12 @@ from precache import lease as lease_module
 from precache.lease import LEASE_FILE, LeaseLost, WriterLease
 from precache.storage import Store
 from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
+from tests.precache.storage.conftest import build
 
 
 @pytest.fixture(autouse=True)
 def quick_settle(monkeypatch):
     monkeypatch.setattr(lease_module, "SETTLE_S", 0.05)
-
-
-def build(photos: Path, output: str) -> precache.RunSummary:
-    return precache.run(COUNTING_PIPELINE, photos, output, workers=1, shard_rows=8,
-                        progress=False, log=lambda *a: None)
 
 
 def plant(url: str, **fields) -> None:

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-import precache
 from precache import Cache, load_pipeline, verify
 from precache.cache import CacheLayout
 from precache.disk_cache import DiskCache
@@ -29,12 +28,7 @@ from precache.sources import list_inputs
 from precache.storage import ChecksumError, StorageError, Store, work_dir_for
 from precache.worker import Task, WorkerConfig, init_worker, run_task
 from tests.conftest import COUNTING_PIPELINE, REPO, precache_cli, read_calls, write_photos
-from tests.precache.storage.conftest import remote_files
-
-
-def build(photos: Path, output: str | Path, **options: object) -> precache.RunSummary:
-    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None)
-    return precache.run(COUNTING_PIPELINE, photos, output, **{**settings, **options})
+from tests.precache.storage.conftest import build, remote_files
 
 
 def rows_by_key(cache: str | Path) -> dict[str, np.ndarray]:
