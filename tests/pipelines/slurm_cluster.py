@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tests.conftest import free_ports
+from tests.pipelines.coverage import clean_env
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo")
 NODES = [f"127.0.0.{i}" for i in range(1, 5)]
@@ -44,10 +45,9 @@ class SlurmCluster:
     conf: Path
 
     def env(self, **extra: str) -> dict[str, str]:
-        """This process's environment without any job's SLURM_ variables, pointed at this
+        """This process's environment without any launcher's variables, pointed at this
         cluster (sbatch passes the submitting environment on to the job)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        return dict(env, SLURM_CONF=str(self.conf), **extra)
+        return clean_env(SLURM_CONF=str(self.conf), **extra)
 
     def run(self, *command: str, timeout: float = 60, **extra: str) -> str:
         """Run a Slurm command against this cluster; its stdout (an error if it fails)."""

@@ -41,8 +41,7 @@ def face_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def submit(slurm: SlurmCluster, script: Path, tmp_path: Path, **variables: str) -> str:
     """``sbatch`` the script from the repository root on CPU; wait for it; return its log."""
     out = slurm.run("sbatch", "--parsable", *CPU_ONLY, f"--chdir={REPO}",
-                    f"--output={tmp_path}/job-%j.log", str(script),
-                    OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **variables)
+                    f"--output={tmp_path}/job-%j.log", str(script), **variables)
     job = out.strip().split(";")[0]
     state, code = slurm.wait(job, JOB_TIMEOUT)
     log = (tmp_path / f"job-{job}.log").read_text()
@@ -87,7 +86,7 @@ def test_plain_srun_tasks_without_torchrun_form_one_group_across_nodes(slurm, fa
                sys.executable, "pipelines/faces/train.py", "--cache", str(face_cache),
                "--out", str(out), "--epochs", "1", "--batch-size", "2", "--workers", "0",
                "--log-keys", str(keys_dir)]
-    slurm.run(*command, timeout=JOB_TIMEOUT, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    slurm.run(*command, timeout=JOB_TIMEOUT, MASTER_PORT=str(free_port()))
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 2)]
     train = training_keys(face_cache)
     assert_each_sample_once_per_epoch(seen_keys(keys_dir, 2), train, epochs=1, pad=len(train) % 2)
