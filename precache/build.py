@@ -32,7 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from precache.cache import ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock, load_manifest
+from precache.cache import (ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock, load_manifest,
+                            read_table)
 from precache.executor import WorkerDied, run_tasks
 from precache.executor_ray import require_ray, run_tasks_ray
 from precache.formats import ShardInfo, get_format
@@ -136,8 +137,7 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
         state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
         if old.fingerprint == fp:
             try:
-                with layout.store.open_input(old.index["path"]) as f:
-                    index = pq.read_table(f).to_pylist()
+                index = read_table(layout.store, old.index["path"]).to_pylist()
             except (OSError, pa.ArrowInvalid) as e:
                 raise RunError(f"the index of cache '{layout.location}' is unreadable ({e}); "
                                "use --overwrite to rebuild the cache") from None

@@ -41,7 +41,7 @@ from precache.schema import ColumnSpec
 from precache.storage import Store, is_remote, local_path, work_dir_for
 
 __all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA",
-           "load_manifest"]
+           "load_manifest", "read_table"]
 
 INDEX_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -87,6 +87,14 @@ def load_manifest(store: Store) -> Manifest:
             "interrupted leaves none: re-run it to finish the cache"
         ) from None
     return Manifest.from_bytes(data, store.uri("manifest.json"))
+
+
+def read_table(store: Store, name: str) -> pa.Table:
+    """The Parquet table ``name`` of the cache in ``store`` (its index or errors table).
+    Single-threaded: Arrow's CPU pool, once started, can abort a process at exit
+    (apache/arrow#34314), and these tables are small."""
+    with store.open_input(name) as f:
+        return pq.read_table(f, use_threads=False)
 
 
 class CacheLayout:
@@ -319,10 +327,8 @@ class Cache:
 
     def read_index(self) -> pa.Table:
         """The per-input index table (see ``INDEX_SCHEMA``)."""
-        with self.store.open_input(self.manifest.index["path"]) as f:
-            return pq.read_table(f, use_threads=False)
+        return read_table(self.store, self.manifest.index["path"])
 
     def read_errors(self) -> pa.Table:
         """The errors table (see ``ERRORS_SCHEMA``)."""
-        with self.store.open_input(self.manifest.errors["path"]) as f:
-            return pq.read_table(f, use_threads=False)
+        return read_table(self.store, self.manifest.errors["path"])
