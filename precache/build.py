@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -32,12 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from precache.cache import (ERRORS_SCHEMA, INDEX_SCHEMA, CacheLayout, CacheLock, load_manifest,
-                            read_table)
+from precache.cache import (ERRORS_SCHEMA, INDEX_SCHEMA, MARKER, CacheLayout, CacheLock,
+                            fsync_dir, load_manifest, read_table)
 from precache.executor import WorkerDied, run_tasks
 from precache.executor_ray import require_ray, run_tasks_ray
 from precache.formats import ShardInfo, get_format
 from precache.hashing import file_checksum, hash_bytes
+from precache.lease import LEASE_FILE
 from precache.manifest import Manifest, ManifestError
 from precache.pipeline import Pipeline, fingerprint, load_pipeline
 from precache.schema import schema_from_json, schema_to_json
@@ -104,7 +104,8 @@ class _State:
 
 
 def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) -> Manifest | None:
-    """Check the output may be written; clear it with ``overwrite``; return the old manifest."""
+    """Check the output may be written; clear precache's files from it with ``overwrite``;
+    return the old manifest."""
     store = layout.store  # the published files: in the directory, or at the URL
     old: Manifest | None = None
     if store.exists("manifest.json"):
@@ -117,13 +118,14 @@ def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) ->
         raise RunError(f"output '{layout.location}' holds a cache of pipeline '{old.pipeline}', "
                        f"not '{pipeline.name}'; use --overwrite to replace it, or another --output")
     if overwrite:
-        store.delete("manifest.json")  # first: from here on it is not a cache
-        store.delete_dir("shards")
-        for path in (layout.shards, layout.journal, layout.staging):
-            shutil.rmtree(path, ignore_errors=True)
+        store.delete("manifest.json")  # first: from here on it is not a finished cache
+        for name in store.list("shards"):
+            layout.delete_own("shards", name)
         for name in store.list():
             if layout.is_table(name):
-                store.delete(name)
+                layout.delete_own("", name)
+        layout.clear_local(layout.journal)
+        layout.clear_local(layout.staging)
         old = None
     return old
 
@@ -167,8 +169,9 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
             state.records[record["key"]] = record
     for shard_name in layout.store.list("shards"):
         if shard_name not in state.referenced:
-            # an orphan: written by a run that died before journaling it
-            layout.store.delete(f"shards/{shard_name}")
+            # an orphan: written by a run that died before journaling it (only precache's
+            # own shard names are deleted; anything else is reported and left alone)
+            layout.delete_own("shards", shard_name)
     return state
 
 
@@ -242,7 +245,7 @@ def _write_table(layout: CacheLayout, name: str, rows: list[dict[str, Any]],
     tmp = layout.staging / f"{name}.tmp"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
     checksum = file_checksum(tmp)
-    layout.store.put_file(tmp, name)
+    layout.publish_file(tmp, name)
     return checksum
 
 
@@ -281,15 +284,17 @@ def _publish(layout: CacheLayout, old: Manifest | None, state: _State,
         precache_version=__version__,
     )
     layout.store.write_bytes("manifest.json", manifest.to_bytes())  # last: now it is the cache
+    if layout.url is None:
+        fsync_dir(layout.root)  # the manifest's rename, too, survives a power cut
     keep_files = {Path(s.path).name for s in shards}
     for name in layout.store.list("shards"):
         if name not in keep_files:
-            layout.store.delete(f"shards/{name}")
+            layout.delete_own("shards", name)
     for name in layout.store.list():
         if layout.is_table(name) and name not in (index_name, errors_name):
-            layout.store.delete(name)
-    shutil.rmtree(layout.journal, ignore_errors=True)
-    shutil.rmtree(layout.staging, ignore_errors=True)
+            layout.delete_own("", name)
+    layout.clear_local(layout.journal)
+    layout.clear_local(layout.staging)
     return manifest
 
 
@@ -300,15 +305,17 @@ def _check_output(layout: CacheLayout) -> None:
         root = layout.root
         if root.exists() and not root.is_dir():
             raise RunError(f"output '{root}' exists and is not a directory")
-        holds_files = root.exists() and any(root.iterdir())
+        names = [p.name for p in root.iterdir()] if root.exists() else []
     else:
         layout.store.check_bucket()
         if layout.store.size("") >= 0:
             raise RunError(f"output '{layout.url}' is a file, not a folder of a cache")
-        holds_files = bool(layout.store.list(folders=True))
-    if holds_files and not layout.looks_like_cache():
-        raise RunError(f"output '{layout.location}' is not empty and holds no precache cache; "
-                       "choose a new or empty directory")
+        names = layout.store.list(folders=True)
+    # a run that died between taking its lock and writing the marker left only the lock
+    holds_files = any(name not in (".lock", LEASE_FILE) for name in names)
+    if holds_files and not layout.is_cache():
+        raise RunError(f"output '{layout.location}' is not empty and holds no precache cache "
+                       f"(no manifest.json or {MARKER}); choose a new or empty directory")
 
 
 def _describe_failure(record: dict[str, Any]) -> str:
@@ -386,11 +393,17 @@ def run(
     _check_output(layout)
     with CacheLock(layout) as lock:
         old = _prepare_output(layout, pipeline, overwrite)
+        layout.mark()  # before the first shard: from here on the folder is precache's
         for path in (layout.shards, layout.journal):
             path.mkdir(parents=True, exist_ok=True)
         layout.forget_stale_journal(old.generation if old is not None else 0)
-        shutil.rmtree(layout.staging, ignore_errors=True)
-        layout.staging.mkdir()
+        layout.clear_local(layout.staging)
+        layout.staging.mkdir(exist_ok=True)
+        foreign = layout.foreign_files()
+        if foreign:
+            log(f"precache: left alone in '{layout.location}', not written by precache: "
+                + ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                            else ""))
         state = _load_state(layout, old, fp, pipeline.name)
         todo, kept = _classify(inputs, state)
         deleted = len(set(state.records) - {item.key for item in inputs})

@@ -9,6 +9,7 @@ shards through a bounded local ``DiskCache``.
 Layout::
 
     CACHE/manifest.json           written last, atomically; without it there is no cache
+    CACHE/.precache               marker written before the first shard: precache owns this folder
     CACHE/shards/part-NNNNN.*     immutable shards, named by sequence number
     CACHE/index-GGGGG.parquet     one row per input: stat, source_hash, status, shard (generation G)
     CACHE/errors-GGGGG.parquet    inputs that failed: key, locator, stage, error type, message
@@ -18,13 +19,20 @@ Layout::
 
 The index and errors tables are named by the manifest's generation, so publishing a new one never
 changes a file the current manifest names.
+
+precache deletes only files it can show it wrote: in a folder that holds its manifest or marker,
+files whose names it generates (``OWN_NAMES``). A folder is never removed with its contents, and
+anything else found there is reported and left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +43,46 @@ import pyarrow.parquet as pq
 from precache.disk_cache import DiskCache
 from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
 from precache.hashing import file_checksum
-from precache.lease import LEASE_FILE, LeaseLost, WriterLease
+from precache.lease import LeaseLost, WriterLease
 from precache.manifest import Manifest, ManifestError, atomic_write_bytes
 from precache.schema import ColumnSpec
 from precache.storage import Store, is_remote, local_path, work_dir_for
 
 __all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA",
-           "load_manifest", "read_table"]
+           "load_manifest", "read_table", "MARKER", "fsync_file", "fsync_dir"]
+
+MARKER = ".precache"
+"""The file that makes a folder precache's before it has a manifest (written before any shard)."""
+
+OWN_NAMES = {
+    "": re.compile(r"manifest\.json|\.manifest\.json\.tmp-\d+|(index|errors)-\d{5,}\.parquet"
+                   r"|errors\.parquet|\.lock|\.writer\.json|\.precache"),
+    "shards": re.compile(r"part-\d{5,}\.(parquet|h5)"),
+    "journal": re.compile(r"\.?(part-\d{5,}\.json|base-generation)(\.tmp-\d+)?"),
+    ".staging": re.compile(r"(fetched-)?part-\d{5,}\.(parquet|h5)(\.tmp-\d+)?"
+                           r"|(index|errors)-\d{5,}\.parquet\.tmp"),
+}
+"""Per folder of a cache, the names of the files that precache writes there: the only files it
+ever deletes."""
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a finished file's data to disk, so that a power cut cannot leave a published name
+    pointing at missing bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a folder's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 INDEX_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -166,14 +207,71 @@ class CacheLayout:
         rows = len(next(iter(columns.values()))) if columns else 0
         info = ShardInfo(path=f"shards/{name}", rows=rows, bytes=tmp.stat().st_size,
                          checksum=file_checksum(tmp))
-        self.store.put_file(tmp, info.path)  # a rename, or one upload of the finished file
+        self.publish_file(tmp, info.path)
         return info
 
-    def looks_like_cache(self) -> bool:
-        """True if the directory holds a cache or the remains of a run that wrote one."""
-        if self.journal.exists() or self.lock.exists():
-            return True
-        return any(self.store.exists(name) for name in ("manifest.json", "shards", LEASE_FILE))
+    def publish_file(self, local: Path, rel: str) -> None:
+        """Move the finished file ``local`` to ``rel`` in the cache durably: on local disk its
+        data is fsynced, renamed, and the folder fsynced, so a manifest or journal entry written
+        afterwards never names bytes a power cut lost; on object storage, one upload."""
+        if self.url is None:
+            fsync_file(local)
+        self.store.put_file(local, rel)  # a rename, or one upload of the finished file
+        if self.url is None:
+            fsync_dir((self.root / rel).parent)
+
+    # ---- what precache owns in the folder, and deletes ----------------------------------------
+
+    def is_cache(self) -> bool:
+        """True if precache's manifest or marker is in the folder (or at the URL): only then
+        does a run write into it or delete anything from it."""
+        return any(self.store.exists(name) for name in ("manifest.json", MARKER))
+
+    def mark(self) -> None:
+        """Write the marker that claims the folder for precache (before the first shard)."""
+        if not self.store.exists(MARKER):
+            from precache import __version__
+
+            self.store.write_bytes(MARKER, json.dumps(
+                {"precache": __version__, "what": "a precache cache; see manifest.json"}).encode())
+
+    @staticmethod
+    def is_own(folder: str, name: str) -> bool:
+        """Whether ``name`` in the cache's ``folder`` ("" for the top) is a name precache writes."""
+        pattern = OWN_NAMES.get(folder)
+        return pattern is not None and pattern.fullmatch(name) is not None
+
+    def delete_own(self, folder: str, name: str) -> None:
+        """Delete the published file ``folder/name`` if precache writes such names; anything else
+        is left alone."""
+        if self.is_own(folder, name):
+            self.store.delete(f"{folder}/{name}" if folder else name)
+
+    def clear_local(self, folder: Path) -> None:
+        """Delete precache's files in the local working folder ``folder`` (``journal`` or
+        ``.staging``), then the folder if nothing else is left in it."""
+        if not folder.is_dir():
+            return
+        for path in folder.iterdir():
+            if path.is_file() and self.is_own(folder.name, path.name):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if empty: a user's file keeps it
+
+    def foreign_files(self) -> list[str]:
+        """Files in the cache's folders that precache did not write (left alone; reported)."""
+        found = [name for name in self.store.list() if not self.is_own("", name)]
+        found += [f"shards/{name}" for name in self.store.list("shards")
+                  if not self.is_own("shards", name)]
+        for folder in (self.journal, self.staging):
+            if folder.is_dir():
+                found += [f"{folder.name}/{p.name}" + ("/" if p.is_dir() else "")
+                          for p in folder.iterdir()
+                          if not (p.is_file() and self.is_own(folder.name, p.name))]
+        if self.url is None:  # a local cache's subfolders; a URL lists no folders
+            found += [f"{p.name}/" for p in self.root.iterdir() if p.is_dir()
+                      and p.name not in ("shards", "journal", ".staging")]
+        return sorted(found)
 
     def local_shard(self, info: ShardInfo) -> Path:
         """A local path of a published shard: the file itself in a local cache; in a remote one,
@@ -196,7 +294,8 @@ class CacheLayout:
             recorded = None
         if recorded is not None and recorded != generation:
             for entry in self.journal.glob("part-*.json"):
-                entry.unlink()
+                if self.is_own("journal", entry.name):
+                    entry.unlink()
         self.journal.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(marker, str(generation).encode(), fsync=False)
 

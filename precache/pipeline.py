@@ -143,10 +143,14 @@ def _load_file(path: Path) -> Any:
 def load_pipeline(ref: str) -> Pipeline:
     """Find a pipeline by installed name (``images``), ``module:attribute``, or file/folder path.
 
+    Installed names win: ``ref`` is read as a path only if it looks like one (``./x``, ``x/``,
+    ``a/b``, ``x.py``, ``.``), so a folder in the current directory that shares a pipeline's name
+    (say the input folder ``images``) neither shadows it nor has its ``pipeline.py`` run.
+
     Raises:
         PipelineError: nothing of that name, or the target is not a ``Pipeline``.
     """
-    looks_like_path = ref.endswith(".py") or "/" in ref or Path(ref).is_dir()
+    looks_like_path = ref.endswith(".py") or "/" in ref or ref in (".", "..")
     if looks_like_path:
         resolved = str(Path(ref).resolve())
         obj = _load_file(Path(resolved))
@@ -161,8 +165,11 @@ def load_pipeline(ref: str) -> Pipeline:
         installed = available_pipelines()
         if ref not in installed:
             names = ", ".join(sorted(installed)) or "none installed"
+            local = (f"; to run the folder '{ref}' as a pipeline, write './{ref}'"
+                     if (Path(ref) / "pipeline.py").is_file() else "")
             raise PipelineError(
-                f"unknown pipeline '{ref}'; available: {names} (or give a path to a pipeline file)"
+                f"unknown pipeline '{ref}'; available: {names} (or give a path to a pipeline "
+                f"file){local}"
             )
         return load_pipeline(installed[ref])
     if not isinstance(obj, Pipeline):

@@ -36,6 +36,48 @@ def test_pipeline_from_module_attr_and_from_file(tmp_path: Path) -> None:
         load_pipeline(str(tmp_path / "missing.py"))
 
 
+def test_an_input_folder_named_like_a_pipeline_neither_shadows_it_nor_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`precache run images -i images -o cache` in a folder holding `images/`: the installed
+    pipeline runs, and `images/pipeline.py` is not executed; `./images` asks for the folder."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import write_photos
+
+    write_photos(tmp_path / "images", 4)
+    ran = tmp_path / "pipeline-py-ran"
+    (tmp_path / "images" / "pipeline.py").write_text(
+        f"open({str(ran)!r}, 'w').write('ran')\n"
+        "from pipelines.images.pipeline import pipeline as images\n"
+        "from precache import Pipeline\n"
+        "pipeline = Pipeline('folder', images.make_ops, images.extensions)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "precache", *args], capture_output=True,
+                              text=True, cwd=tmp_path, env=env, timeout=120)
+
+    done = cli("run", "images", "-i", "images", "-o", "cache", "-q")
+    assert done.returncode == 0, done.stderr
+    assert not ran.exists()
+    from precache import Cache
+    assert Cache(tmp_path / "cache").manifest.pipeline == "images"
+    assert Cache(tmp_path / "cache").manifest.counts["ok"] == 4
+
+    (tmp_path / "mine").mkdir()  # a bare name that is no installed pipeline: a hint, no run
+    (tmp_path / "mine" / "pipeline.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PipelineError, match=r"unknown pipeline 'mine'.*write './mine'"):
+        load_pipeline("mine")
+    assert not ran.exists()
+    done = cli("run", "./images", "-i", "images", "-o", "cache2", "-q")
+    assert done.returncode == 0, done.stderr
+    assert ran.read_text() == "ran"
+    assert Cache(tmp_path / "cache2").manifest.pipeline == "folder"
+
+
 def double(sample: dict) -> dict:
     return sample
 

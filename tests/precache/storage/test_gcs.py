@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from precache import Cache, verify
+from precache.cache import MARKER
 from precache.lease import LEASE_FILE
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
@@ -35,7 +36,8 @@ def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(
     shards = Cache(url).manifest.shards
     assert [s.checksum for s in shards] == [s.checksum for s in Cache(local.cache).manifest.shards]
     assert sorted(remote_files(gcs, url)) == sorted(
-        ["manifest.json", "index-00001.parquet", "errors-00001.parquet", *(s.path for s in shards)])
+        ["manifest.json", MARKER, "index-00001.parquet", "errors-00001.parquet",
+         *(s.path for s in shards)])
     assert verify(url) == []
 
     call_log.unlink()
