@@ -113,7 +113,8 @@ def _prepare_output(layout: CacheLayout, pipeline: Pipeline, overwrite: bool) ->
             old = load_manifest(store)
         except ManifestError as e:
             if not overwrite:
-                raise RunError(f"{e}; use --overwrite to replace it") from None
+                hint = "" if "--overwrite" in str(e) else "; use --overwrite to replace it"
+                raise RunError(f"{e}{hint}") from None
     if old is not None and old.pipeline != pipeline.name and not overwrite:
         raise RunError(f"output '{layout.location}' holds a cache of pipeline '{old.pipeline}', "
                        f"not '{pipeline.name}'; use --overwrite to replace it, or another --output")
@@ -153,7 +154,10 @@ def _load_state(layout: CacheLayout, old: Manifest | None, fp: str, name: str) -
             entry = json.loads(entry_path.read_text())
         except (OSError, json.JSONDecodeError):
             entry = {}
-        shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
+        try:
+            shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
+        except (KeyError, TypeError, ValueError):
+            entry, shard = {}, None  # not an entry precache wrote: dropped below as unusable
         usable = (entry.get("fingerprint") == fp and entry.get("pipeline") == name
                   and (shard is None or layout.store.size(shard.path) == shard.bytes))
         if not usable:

@@ -46,7 +46,7 @@ from precache.hashing import file_checksum
 from precache.lease import LeaseLost, WriterLease
 from precache.manifest import Manifest, ManifestError, atomic_write_bytes
 from precache.schema import ColumnSpec
-from precache.storage import Store, is_remote, local_path, work_dir_for
+from precache.storage import Store, is_remote, local_path, private_dir, work_dir_for
 
 __all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA",
            "load_manifest", "read_table", "MARKER", "fsync_file", "fsync_dir"]
@@ -166,7 +166,8 @@ class CacheLayout:
         ``precache.storage.work_dir_for(url)``."""
         if is_remote(output):
             url = str(output).rstrip("/")
-            return cls(work_dir_for(url), url=url)
+            # private: the journal and staging found there are adopted as this user's work
+            return cls(private_dir(work_dir_for(url), "working folder"), url=url)
         return cls(local_path(output))
 
     @property

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
-__all__ = ["hash_bytes", "file_sha256", "file_checksum"]
+__all__ = ["hash_bytes", "file_sha256", "file_checksum", "is_checksum", "CHECKSUM_FORM"]
+
+CHECKSUM_FORM = "sha256:<64 lowercase hex digits>"
+"""How a checksum in a manifest looks, for messages."""
+
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def hash_bytes(data: bytes) -> str:
@@ -29,3 +35,10 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 def file_checksum(path: str | os.PathLike[str]) -> str:
     """A shard's checksum as the manifest records it: ``sha256:<hex>``."""
     return "sha256:" + file_sha256(path)
+
+
+def is_checksum(value: object) -> bool:
+    """Whether ``value`` is a checksum as ``file_checksum`` writes it (``sha256:`` and 64
+    lowercase hex digits). A manifest is read from storage that others may write: anything else
+    in its place is refused, never used to name a file."""
+    return isinstance(value, str) and _CHECKSUM.fullmatch(value) is not None

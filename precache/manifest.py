@@ -1,17 +1,29 @@
 """The manifest: the contract between stage 1 and stage 2, written last and atomically.
 
 A directory without ``manifest.json`` is not a cache (a run is in progress or was interrupted).
+
+A manifest is read from storage that others may write (a shared bucket), and its values name
+files that are read, downloaded and deleted. So it is checked as it is parsed, before anything
+else is done with the cache: every shard path is ``shards/part-NNNNN<suffix of the format>``,
+the index and errors tables are plain names at the cache's top (``index-NNNNN.parquet``,
+``errors-NNNNN.parquet``, or the ``errors.parquet`` of older versions), every checksum is
+``sha256:<64 hex digits>``, and counts, sizes and deleted rows are in range. Anything else is a
+one-line ``ManifestError`` naming the manifest, the entry and what was expected.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from precache.formats import FORMATS
 from precache.formats.base import ShardInfo
+from precache.formats.base import short_repr as _show
+from precache.hashing import CHECKSUM_FORM, is_checksum
 from precache.schema import ColumnSpec, schema_from_json, schema_to_json
 
 __all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "atomic_write_bytes"]
@@ -20,7 +32,65 @@ FORMAT_VERSION = 1
 
 
 class ManifestError(ValueError):
-    """``manifest.json`` is missing, unreadable or of an unknown format version."""
+    """``manifest.json`` is missing, unreadable, of an unknown format version, or holds values
+    precache does not write (a path outside the cache, a malformed checksum)."""
+
+
+_TABLES = {
+    "index": (re.compile(r"index-[0-9]{5,}\.parquet"), "index-NNNNN.parquet"),
+    "errors": (re.compile(r"errors-[0-9]{5,}\.parquet|errors\.parquet"),
+               "errors-NNNNN.parquet or errors.parquet"),
+}
+"""The names the index and errors tables may have: plain file names at the cache's top."""
+
+_FIX = ("it was not written by precache or was changed since; nothing was read from the cache "
+        "(if the cache is yours, rebuild it: precache run ... --overwrite)")
+
+
+def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str, int]]:
+    """The shards and counts of the manifest ``obj``, checked (see the module's docstring).
+
+    Raises:
+        ManifestError: one line naming ``where``, the bad entry and what was expected.
+    """
+    def bad(text: str) -> ManifestError:
+        return ManifestError(f"'{where}' is not a valid precache manifest: {text}; {_FIX}")
+
+    name = obj["format"]
+    shard_format = FORMATS.get(name) if isinstance(name, str) else None
+    if shard_format is None:
+        raise bad(f"format is {_show(name)}, expected one of {sorted(FORMATS)}")
+    if not isinstance(obj["shards"], list):
+        raise bad(f"shards is {_show(obj['shards'])}, expected a list")
+    shards: list[ShardInfo] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(obj["shards"]):
+        try:
+            info = ShardInfo.from_json(entry, shard_format.suffix)
+        except ValueError as e:
+            raise bad(f"shards[{i}]{'.' if isinstance(entry, dict) else ' '}{e}") from None
+        if info.path in seen:
+            raise bad(f"shards[{i}].path {_show(info.path)} is listed twice, expected each "
+                      "shard once")
+        seen.add(info.path)
+        shards.append(info)
+    for table, (pattern, form) in _TABLES.items():
+        entry = obj[table]
+        if not isinstance(entry, dict):
+            raise bad(f"{table} is {_show(entry)}, expected an object with path and checksum")
+        if not isinstance(entry["path"], str) or pattern.fullmatch(entry["path"]) is None:
+            raise bad(f"{table}.path is {_show(entry['path'])}, expected {form} (a file at the "
+                      "cache's top)")
+        if not is_checksum(entry["checksum"]):
+            raise bad(f"{table}.checksum is {_show(entry['checksum'])}, expected {CHECKSUM_FORM}")
+    counts = obj["counts"]
+    if not isinstance(counts, dict):
+        raise bad(f"counts is {_show(counts)}, expected an object")
+    numbers = [(f"counts.{key}", value) for key, value in counts.items()]
+    for entry, value in [*numbers, ("generation", obj["generation"])]:
+        if type(value) is not int or value < 0:
+            raise bad(f"{entry} is {_show(value)}, expected a non-negative integer")
+    return shards, counts
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -97,13 +167,23 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+    def from_json(cls, obj: dict[str, Any], where: str = "manifest.json") -> Manifest:
+        """The manifest ``obj`` (parsed JSON), checked; ``where`` names it in errors.
+
+        Raises:
+            ManifestError: an unknown format version, or a value precache does not write.
+            KeyError, TypeError: a field is missing or of the wrong kind.
+        """
+        if not isinstance(obj, dict):
+            raise ManifestError(f"'{where}' is not a valid precache manifest: it holds "
+                                f"{type(obj).__name__}, expected an object; {_FIX}")
         version = obj.get("format_version")
         if version != FORMAT_VERSION:
             raise ManifestError(
                 f"manifest format version {version!r} is not supported (this precache reads "
                 f"version {FORMAT_VERSION}); rebuild the cache with this version"
             )
+        shards, counts = _entries(obj, where)
         return cls(
             pipeline=obj["pipeline"],
             pipeline_ref=obj.get("pipeline_ref", obj["pipeline"]),
@@ -112,12 +192,12 @@ class Manifest:
             fingerprint=obj["fingerprint"],
             format=obj["format"],
             schema=schema_from_json(obj["schema"]),
-            shards=[ShardInfo.from_json(s) for s in obj["shards"]],
-            counts={k: int(v) for k, v in obj["counts"].items()},
-            index=obj["index"],
-            errors=obj["errors"],
+            shards=shards,
+            counts=counts,
+            index={"path": obj["index"]["path"], "checksum": obj["index"]["checksum"]},
+            errors={"path": obj["errors"]["path"], "checksum": obj["errors"]["checksum"]},
             source=obj.get("source", ""),
-            generation=int(obj["generation"]),
+            generation=obj["generation"],
             created=obj["created"],
             precache_version=obj["precache_version"],
             format_version=version,
@@ -133,11 +213,15 @@ class Manifest:
         """Parse ``manifest.json``'s bytes; ``where`` names the file in errors.
 
         Raises:
-            ManifestError: not JSON, missing fields, or an unknown format version.
+            ManifestError: not JSON, missing fields, an unknown format version, or values
+                precache does not write (see the module's docstring).
         """
         try:
-            return cls.from_json(json.loads(data.decode("utf-8")))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return cls.from_json(json.loads(data.decode("utf-8")), where)
+        except ManifestError:
+            raise
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
+                AttributeError) as e:
             raise ManifestError(f"'{where}' is corrupt ({type(e).__name__}: {e})") from None
 
     def save(self, path: Path) -> None:

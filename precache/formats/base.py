@@ -7,6 +7,7 @@ Every format stores the same logical schema (see ``precache.schema``); stage 1 w
 from __future__ import annotations
 
 import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,30 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from precache.hashing import CHECKSUM_FORM, is_checksum
 from precache.schema import ColumnSpec
 
-__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs"]
+__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "SHARD_PATH_FORM",
+           "short_repr"]
+
+SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
+"""How a shard's path in a manifest looks, for messages."""
+
+_SHARD_PATH = re.compile(r"shards/part-[0-9]{5,}\.[A-Za-z0-9]+")
+
+
+def _count(obj: dict[str, Any], name: str) -> int:
+    """The non-negative integer ``obj[name]`` (``ValueError`` naming the field otherwise)."""
+    value = obj[name]
+    if type(value) is not int or value < 0:  # not bool, float or str: JSON writes ints as ints
+        raise ValueError(f"{name} is {short_repr(value)}, expected a non-negative integer")
+    return value
+
+
+def short_repr(value: object) -> str:
+    """``repr`` of a value read from a manifest, cut short, for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 @dataclass(frozen=True)
@@ -51,9 +73,39 @@ class ShardInfo:
                 "checksum": self.checksum, "deleted": list(self.deleted)}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ShardInfo:
-        return cls(path=obj["path"], rows=int(obj["rows"]), bytes=int(obj["bytes"]),
-                   checksum=obj["checksum"], deleted=tuple(int(i) for i in obj.get("deleted", ())))
+    def from_json(cls, obj: dict[str, Any], suffix: str | None = None) -> ShardInfo:
+        """The entry ``obj`` of a manifest (or journal), checked: its values name files and
+        drive reads, and a remote manifest may have been written by anyone. ``suffix``: the
+        file suffix the path must have (the cache's format's), if known.
+
+        Raises:
+            ValueError: a value precache does not write, e.g. a path outside ``shards/``
+                (``..``, absolute) or a checksum that is not ``sha256:<hex>``; the message
+                starts with the field's name and says what was expected.
+            KeyError: a field is missing.
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f"is {short_repr(obj)}, expected an object with path, rows, "
+                             "bytes and checksum")
+        path = obj["path"]
+        if (not isinstance(path, str) or _SHARD_PATH.fullmatch(path) is None
+                or suffix is not None and not path.endswith(suffix)):
+            form = SHARD_PATH_FORM if suffix is None else f"shards/part-NNNNN{suffix}"
+            raise ValueError(f"path is {short_repr(path)}, expected {form} (a file in the "
+                             "cache's shards folder)")
+        rows, size = _count(obj, "rows"), _count(obj, "bytes")
+        checksum = obj["checksum"]
+        if not is_checksum(checksum):
+            raise ValueError(f"checksum is {short_repr(checksum)}, expected {CHECKSUM_FORM}")
+        deleted = obj.get("deleted", [])
+        if not isinstance(deleted, list) or any(type(i) is not int for i in deleted):
+            raise ValueError(f"deleted is {short_repr(deleted)}, expected a list of row "
+                             "indices")
+        if any(not 0 <= i < rows for i in deleted) or any(
+                a >= b for a, b in zip(deleted, deleted[1:])):
+            raise ValueError(f"deleted is {short_repr(deleted)}, expected ascending row indices "
+                             f"from 0 to {rows - 1}, each once")
+        return cls(path=path, rows=rows, bytes=size, checksum=checksum, deleted=tuple(deleted))
 
 
 def contiguous_runs(sorted_indices: np.ndarray) -> list[tuple[int, int]]:

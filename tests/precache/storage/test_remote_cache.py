@@ -49,7 +49,8 @@ def test_a_run_to_s3_reads_back_like_a_local_run(s3, bucket: str, tmp_path: Path
     shards = Cache(url).manifest.shards
     assert [s.checksum for s in shards] == [s.checksum for s in Cache(local.cache).manifest.shards]
     assert sorted(remote_files(s3, url)) == sorted(
-        ["manifest.json", "index-00001.parquet", "errors-00001.parquet", *(s.path for s in shards)])
+        [".precache", "manifest.json", "index-00001.parquet", "errors-00001.parquet",
+         *(s.path for s in shards)])
     assert not (work_dir_for(url) / "journal").exists()  # published: nothing left to resume
 
     remote_rows, local_rows = rows_by_key(url), rows_by_key(local.cache)
@@ -79,7 +80,8 @@ def test_a_rerun_from_an_empty_working_directory_is_incremental(
     assert (summary.computed, summary.deleted, summary.rewritten_shards) == (2, 6, 1)
     manifest = Cache(url).manifest
     assert manifest.generation == 2 and manifest.rows == 19
-    assert sorted(remote_files(s3, url)) == sorted(["manifest.json", "index-00002.parquet",
+    assert sorted(remote_files(s3, url)) == sorted([".precache", "manifest.json",
+                                                    "index-00002.parquet",
                                                     "errors-00002.parquet",
                                                     *(s.path for s in manifest.shards)])
     fresh = build(photos, tmp_path / "fresh")
@@ -194,9 +196,10 @@ def test_epoch_two_reads_only_local_disk_with_two_loader_workers(
     first = epoch()
     assert len(first) == 24
     shards = Cache(url).manifest.shards
+    names = [f"{s.checksum.split(':')[1]}.h5" for s in shards]
     assert sorted(os.listdir(disk)) == sorted(  # one verified copy per shard, no torn leftovers
-        [f"{s.checksum.split(':')[1]}.h5" for s in shards]
-        + [f".{s.checksum.split(':')[1]}.h5.lock" for s in shards] + [".evict.lock"])
+        names + [f".{n}.lock" for n in names] + [f".{n}.ok" for n in names] + [".evict.lock"])
+    assert os.stat(disk).st_mode & 0o777 == 0o700  # private
     Store(url).delete_dir("shards")  # from here on, any remote shard read would fail
 
     second = epoch()
