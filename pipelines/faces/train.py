@@ -7,7 +7,10 @@ applied. It reads only the cache (no detector, no mesh), so every step is cheap 
 
 Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented crop. FaceAugment
 moves and re-indexes the points with the image, so a flip cannot teach the model to swap eyes.
-Each epoch logs samples/s and the share of step time spent waiting for data.
+Each epoch logs samples/s and the share of step time spent waiting for data; every optimizer
+step logs its learning rate to ``<out>/lr.tsv``. The OneCycle schedule is a function of progress
+(samples trained on / ``--epochs`` x training samples), so a run resumed with more epochs or on
+another number of ranks continues on the curve of its new plan.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
-from precache.checkpoint import save_checkpoint
+from precache.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
-from precache.training import mixed_precision, open_keys_log, optimizer_step
+from precache.training import (OneCycleSchedule, mixed_precision, open_keys_log, open_lr_log,
+                               optimizer_step)
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 
@@ -49,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", required=True, help="a cache of the faces pipeline")
     p.add_argument("--out", default="runs/faces", help="checkpoints and the metrics log")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3,
+                   help="epochs of the whole run, which the learning rate schedule spans; resume "
+                        "with more to extend a run")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (OneCycle)")
@@ -116,17 +122,22 @@ def main() -> None:
 
     model = LandmarkNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    steps_per_epoch = max(1, len(loader) // args.accumulate)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                    total_steps=args.epochs * steps_per_epoch + 1)
+    # Planned from this run's settings, also on resume: more --epochs stretch the curve.
+    schedule = OneCycleSchedule(optimizer, args.lr, samples_planned=args.epochs * len(train_idx))
     amp_dtype, scaler = mixed_precision(args.precision, device)
 
     epoch, step, position = 0, 0, 0  # position: samples this rank trained on in this epoch
     if args.resume:
-        state = torch.load(args.resume, map_location=device, weights_only=False)
+        try:
+            state = load_checkpoint(args.resume, map_location=device)
+        except CheckpointRefused as e:
+            raise SystemExit(str(e)) from None
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        # After the optimizer's, which restores the saved rate. A checkpoint from before the
+        # progress schedule has none: the start of its epoch is close enough.
+        legacy = {"samples_seen": state["epoch"] * len(train_idx)}
+        schedule.load_state_dict(state.get("schedule", legacy))
         scaler.load_state_dict(state["scaler"])
         loader.load_state_dict(state["loader"])  # mid-epoch: only the samples not yet seen
         epoch, step = state["epoch"], state["step"]
@@ -134,13 +145,16 @@ def main() -> None:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     net = torch.compile(model) if args.compile else model
 
+    lr_log = open_lr_log(out, rank)
+
     def save(path: Path) -> None:
         if rank == 0:
             bare = model.module if isinstance(model, DistributedDataParallel) else model
             save_checkpoint({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
                         "loader": loader.state_dict(consumed=position), "epoch": epoch, "step": step},
                        path)
+            lr_log.flush()
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
     keys_log = open_keys_log(args.log_keys, rank)
@@ -149,6 +163,7 @@ def main() -> None:
         net.train()
         wait = busy = 0.0
         seen, running, logged = 0, torch.zeros((), device=device), 0  # seen: this rank, this epoch
+        pending = 0  # samples of this rank in the optimizer step being accumulated
         optimizer.zero_grad(set_to_none=True)
         tick = time.perf_counter()
         for i, batch in enumerate(DevicePrefetcher(loader, device)):
@@ -163,9 +178,15 @@ def main() -> None:
             running += loss.detach()  # a tensor: no host sync, no graph kept
             logged += 1
             seen += len(images)
+            pending += len(images)
             position = seen  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                optimizer_step(net, optimizer, scaler, scheduler, args.clip)
+                if lr_log is not None:  # this step's rate, and the progress it was read at
+                    lr_log.write(f"{step}\t{schedule.samples_seen}\t{schedule.samples_planned}\t"
+                                 f"{optimizer.param_groups[0]['lr']!r}\n")
+                # every rank's batches hold as many samples (lock-step): no all_reduce needed
+                optimizer_step(net, optimizer, scaler, schedule, args.clip, samples=pending * world)
+                pending = 0
                 step += 1
                 if step % args.save_every == 0:
                     save(out / "last.pt")
@@ -196,7 +217,9 @@ def main() -> None:
             val_error, seen_all, wait_share = val_sum.item() / max(1, val_n), seen, wait / max(1e-9, wait + busy)
         record = {"epoch": epoch, "step": step, "train_loss": train_loss, "val_l1": val_error,
                   "samples_per_s": seen_all / max(1e-9, wait + busy), "data_wait": wait_share,
-                  "world_size": world}
+                  "world_size": world, "lr": optimizer.param_groups[0]["lr"],
+                  "samples_seen": schedule.samples_seen,
+                  "samples_planned": schedule.samples_planned}
         if not done:
             epoch += 1
         save(out / "last.pt")

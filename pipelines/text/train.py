@@ -8,7 +8,10 @@ checklist applied. It reads only the token ids of a ``text`` cache (no tokenizer
 Batches come from a LengthBucketSampler (documents of similar length together) and are padded
 only to their own longest document, so little of each step is spent on padding. The sampler's
 state makes a checkpoint resumable mid-epoch, on any number of ranks. Each epoch logs samples/s,
-real tokens/s, the padded share of the batches and the share of step time spent waiting for data.
+real tokens/s, the padded share of the batches and the share of step time spent waiting for data;
+every optimizer step logs its learning rate to ``<out>/lr.tsv``. The OneCycle schedule is a
+function of progress (samples trained on / ``--epochs`` x training samples), so a run resumed with
+more epochs or on another number of ranks continues on the curve of its new plan.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from precache.checkpoint import save_checkpoint
+from precache.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
-from precache.training import mixed_precision, open_keys_log, optimizer_step
+from precache.training import (OneCycleSchedule, mixed_precision, open_keys_log, open_lr_log,
+                               optimizer_step)
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 
@@ -39,7 +43,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", required=True, help="a cache of the text pipeline")
     p.add_argument("--out", default="runs/text", help="checkpoints and the metrics log")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3,
+                   help="epochs of the whole run, which the learning rate schedule spans; resume "
+                        "with more to extend a run")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (OneCycle)")
@@ -113,19 +119,24 @@ def main() -> None:
 
     model = TextClassifier(len(classes), max_length, args.vocab_size).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
-    steps_per_epoch = max(1, len(sampler) // args.accumulate)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                    total_steps=args.epochs * steps_per_epoch + 1)
+    # Planned from this run's settings, also on resume: more --epochs stretch the curve.
+    schedule = OneCycleSchedule(optimizer, args.lr, samples_planned=args.epochs * len(train_idx))
     amp_dtype, scaler = mixed_precision(args.precision, device)
 
     epoch, step, position = 0, 0, 0  # position: batches this rank trained on in this epoch
     if args.resume:
-        state = torch.load(args.resume, map_location=device, weights_only=False)
+        try:
+            state = load_checkpoint(args.resume, map_location=device)
+        except CheckpointRefused as e:
+            raise SystemExit(str(e)) from None
         if state["classes"] != classes:
             raise SystemExit(f"{args.resume} was trained on labels {state['classes']}, not {classes}")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        # After the optimizer's, which restores the saved rate. A checkpoint from before the
+        # progress schedule has none: the start of its epoch is close enough.
+        legacy = {"samples_seen": state["epoch"] * len(train_idx)}
+        schedule.load_state_dict(state.get("schedule", legacy))
         scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])  # mid-epoch: only the batches not yet trained on
         epoch, step = state["epoch"], state["step"]
@@ -133,13 +144,16 @@ def main() -> None:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     net = torch.compile(model, dynamic=True) if args.compile else model  # lengths vary per batch
 
+    lr_log = open_lr_log(out, rank)
+
     def save(path: Path) -> None:
         if rank == 0:
             bare = model.module if isinstance(model, DistributedDataParallel) else model
             save_checkpoint({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
                         "sampler": sampler.state_dict(batches=position), "classes": classes,
                         "max_length": max_length, "epoch": epoch, "step": step}, path)
+            lr_log.flush()
 
     def to_device(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         targets = torch.tensor([label_id[name] for name in batch["label"]])
@@ -158,6 +172,7 @@ def main() -> None:
         wait = busy = 0.0
         seen, running, logged = 0, torch.zeros((), device=device), 0  # seen: this rank, this epoch
         tokens, slots = torch.zeros((), device=device), torch.zeros((), device=device)
+        pending = 0  # samples of this rank in the optimizer step being accumulated
         optimizer.zero_grad(set_to_none=True)
         tick = time.perf_counter()
         for i, batch in enumerate(loader):
@@ -174,9 +189,15 @@ def main() -> None:
             slots += mask.numel()
             logged += 1
             seen += len(ids)
+            pending += len(ids)
             position = i + 1  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                optimizer_step(net, optimizer, scaler, scheduler, args.clip)
+                if lr_log is not None:  # this step's rate, and the progress it was read at
+                    lr_log.write(f"{step}\t{schedule.samples_seen}\t{schedule.samples_planned}\t"
+                                 f"{optimizer.param_groups[0]['lr']!r}\n")
+                # every rank's batches hold as many samples (lock-step): no all_reduce needed
+                optimizer_step(net, optimizer, scaler, schedule, args.clip, samples=pending * world)
+                pending = 0
                 step += 1
                 if step % args.save_every == 0:
                     save(out / "last.pt")
@@ -204,7 +225,9 @@ def main() -> None:
         record = {"epoch": epoch, "step": step, "train_loss": train_loss,
                   "val_accuracy": c / max(1, n), "samples_per_s": seen_all / max(1e-9, elapsed),
                   "tokens_per_s": tok / max(1e-9, elapsed), "padding": 1 - tok / max(1, slot),
-                  "data_wait": wait_all / max(1e-9, time_all), "world_size": world}
+                  "data_wait": wait_all / max(1e-9, time_all), "world_size": world,
+                  "lr": optimizer.param_groups[0]["lr"], "samples_seen": schedule.samples_seen,
+                  "samples_planned": schedule.samples_planned}
         if not done:
             epoch += 1
             position = 0  # the next epoch starts from its beginning
