@@ -105,8 +105,9 @@ class LengthBucketSampler(Sampler[list[int]]):
                 "done": [list(d) for d in done]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # drop_last too: the replay of the parts before must plan them as they were planned.
         for key, mine in (("size", len(self.lengths)), ("seed", self.seed),
-                          ("bucket_batches", self.bucket_batches)):
+                          ("bucket_batches", self.bucket_batches), ("drop_last", self.drop_last)):
             if state[key] != mine:
                 raise ValueError(f"the state was saved with {key}={state[key]}, this sampler "
                                  f"has {key}={mine}")

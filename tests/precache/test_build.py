@@ -15,6 +15,9 @@ from precache.cache import CacheLayout
 from precache.storage import Store
 from precache.verify import verify
 from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
+from tests.precache.sync_pipeline import logged_pids
+
+SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 
 
 def quiet_run(input: Path, output: Path, **kwargs: object) -> precache.RunSummary:
@@ -41,17 +44,23 @@ def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
 def test_one_and_two_workers_write_identical_shards(photos: Path, tmp_path: Path, fmt: str,
-                                                    call_log: Path) -> None:
-    slow = {"delay": 0.08}  # enough work for the spawned worker to start and take tasks
-    one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt, params=slow)
-    two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt, params=slow)
+                                                    call_log: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    one = quiet_run(photos, tmp_path / "w1", workers=1, format=fmt, pipeline=SYNC_PIPELINE)
+    assert logged_pids(str(call_log)) == {str(os.getpid())}  # one worker: this process
+    call_log.unlink()
+    # This process waits at its first sample until the spawned worker has one too, so both
+    # provably run tasks, however slowly the worker starts.
+    monkeypatch.setenv("PRECACHE_MEET", "2")
+    two = quiet_run(photos, tmp_path / "w2", workers=2, format=fmt, pipeline=SYNC_PIPELINE)
     assert one.ok == two.ok == 24 and one.rows == 24
     assert shard_checksums(tmp_path / "w1") == shard_checksums(tmp_path / "w2")
     assert len(shard_checksums(tmp_path / "w1")) == 5  # 24 inputs, 5 per shard
     keys = Cache(tmp_path / "w2").read_all(["key"])["key"]
     assert keys == sorted(p.name for p in photos.iterdir())
-    pids = {line.split()[0] for line in call_log.read_text().splitlines()}
-    assert str(os.getpid()) in pids and len(pids) >= 2  # w1 ran here, w2 in other processes
+    pids = logged_pids(str(call_log))
+    assert str(os.getpid()) in pids and len(pids) == 2  # this process and one spawned worker
+    assert sorted(read_calls(call_log)) == keys  # between them, each input once
 
 
 def test_parquet_and_hdf5_hold_the_same_arrays(photos: Path, tmp_path: Path) -> None:
@@ -344,21 +353,34 @@ def test_a_batched_op_gets_batches_and_one_bad_sample_fails_alone(tmp_path: Path
 
 def test_a_worker_that_dies_stops_the_run_and_a_rerun_finishes(
         tmp_path: Path, photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The spawned worker kills itself at its first input, after leaving a marker; this process
+    # waits for the marker at its own first input, so the worker provably takes a task (however
+    # slowly it starts) and this process provably does the other five.
     pipeline_file = function_pipeline(
         tmp_path, "crashy",
         "import multiprocessing, os, signal, time\n"
         "def crash_in_child(sample):\n"
-        "    time.sleep(0.1)\n"
-        "    if multiprocessing.parent_process() is not None and os.environ['CRASH'] == '1':\n"
+        "    marker = os.environ['CRASH_MARKER']\n"
+        "    if os.environ['CRASH'] != '1':\n"
+        "        return sample\n"
+        "    if multiprocessing.parent_process() is not None:\n"
+        "        open(marker, 'w').close()\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    deadline = time.monotonic() + 60  # only against a hang\n"
+        "    while not os.path.exists(marker) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
         "    return sample\n",
         "[FunctionOp(crash_in_child), DecodeImage(), ResizeCenterCrop(size=8)]")
     out = tmp_path / "c"
     monkeypatch.setenv("CRASH", "1")
+    monkeypatch.setenv("CRASH_MARKER", str(tmp_path / "crashed"))
     with pytest.raises(RunError, match="(?s)died with exit code -9.*re-run the same command"):
         quiet_run(photos, out, pipeline=pipeline_file, workers=2, shard_rows=4)
+    assert (tmp_path / "crashed").exists()
     assert not (out / "manifest.json").exists()
     monkeypatch.setenv("CRASH", "0")
     summary = quiet_run(photos, out, pipeline=pipeline_file, workers=1, shard_rows=4)
-    assert 0 < summary.computed < 24 and summary.ok == 24   # only the lost task is redone
+    # Only the lost task is redone: this process ran the other five (it looks for dead
+    # workers once the task queue is empty) and committed them.
+    assert summary.computed == 4 and summary.ok == 24
     assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())

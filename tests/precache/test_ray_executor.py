@@ -34,12 +34,14 @@ from precache import Cache, RunError, verify
 from precache.cli import main
 from precache.executor_ray import MAX_ATTEMPTS
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
+from tests.precache.sync_pipeline import logged_pids
 
 pytestmark = pytest.mark.slow
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed: pip install 'precache[ray]'")
 
 DYING_PIPELINE = str(Path(__file__).with_name("dying_pipeline.py"))
+SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 NODE_IP = "127.0.0.2"
 
 
@@ -194,19 +196,23 @@ def read_where(path: Path) -> list[tuple[int, int, str]]:
 
 @needs_ray
 def test_ray_writes_the_same_cache_as_the_local_executor(cluster: Cluster, photos: Path,
-                                                         tmp_path: Path, call_log: Path) -> None:
-    slow = {"delay": 0.1}  # enough work for both actors to take tasks
-    local = quiet_run(photos, tmp_path / "local", params=slow)
+                                                         tmp_path: Path, call_log: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    local = quiet_run(photos, tmp_path / "local", pipeline=SYNC_PIPELINE)
     call_log.unlink()
-    on_ray = quiet_run(photos, tmp_path / "ray", params=slow, executor="ray")
+    # Each actor waits at its first sample until the other has one too: both provably take
+    # tasks, however late one of them is ready.
+    monkeypatch.setenv("PRECACHE_MEET", "2")
+    on_ray = quiet_run(photos, tmp_path / "ray", pipeline=SYNC_PIPELINE, executor="ray")
     assert on_ray.ok == local.ok == 24 and on_ray.computed == 24
     assert shard_checksums(tmp_path / "ray") == shard_checksums(tmp_path / "local")
     assert len(shard_checksums(tmp_path / "ray")) == 6  # 24 inputs, 4 per shard
     keys = Cache(tmp_path / "ray").read_all(["key"])["key"]
     assert keys == Cache(tmp_path / "local").read_all(["key"])["key"]
     assert keys == sorted(p.name for p in photos.iterdir())
-    pids = {line.split()[0] for line in call_log.read_text().splitlines()}
+    pids = logged_pids(str(call_log))
     assert str(os.getpid()) not in pids and len(pids) == 2  # the two actors did all the work
+    assert sorted(read_calls(call_log)) == keys  # between them, each input once
     assert verify(tmp_path / "ray") == []
 
 

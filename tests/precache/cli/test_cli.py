@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from precache import Cache
-from tests.conftest import COUNTING_PIPELINE, REPO, precache_cli
+from tests.conftest import REPO, precache_cli, read_calls
+
+SYNC_PIPELINE = str(REPO / "tests" / "precache" / "sync_pipeline.py")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,
@@ -104,58 +108,95 @@ def test_many_failures_point_to_the_errors_table(tmp_path: Path, photos: Path) -
     assert Cache(out).read_errors().num_rows == 7
 
 
-def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path: Path) -> None:
-    out = tmp_path / "cache"
+def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path: Path,
+                                                         call_log: Path) -> None:
+    out, gate = tmp_path / "cache", tmp_path / "gate"
+    # The first run waits at its first sample until the gate file exists: it provably holds the
+    # cache while the second one tries.
     first = subprocess.Popen(
-        [sys.executable, "-m", "precache", "run", COUNTING_PIPELINE, "-i", str(photos), "-o",
-         str(out), "-q", "--workers", "1", "--shard-rows", "4", "--set", "delay=0.2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60  # the first run takes ~5 s: the second must start within it
-    while not list((out / "journal").glob("part-*.json")):
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    second = precache_cli("run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(out), "-q")
-    assert_one_line_error(second, 1, "being written by another precache run")
-    assert f"pid {first.pid}" in second.stderr
+        [sys.executable, "-m", "precache", "run", SYNC_PIPELINE, "-i", str(photos), "-o",
+         str(out), "-q", "--workers", "1", "--shard-rows", "4"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PRECACHE_GATE=str(gate)))
+    try:
+        deadline = time.monotonic() + 60  # only against a hang
+        while not read_calls(call_log):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        second = precache_cli("run", SYNC_PIPELINE, "-i", str(photos), "-o", str(out), "-q")
+        assert_one_line_error(second, 1, "being written by another precache run")
+        assert f"pid {first.pid}" in second.stderr
+        assert len(read_calls(call_log)) == 4  # the second computed nothing; the first waits
+    finally:
+        gate.touch()
     assert first.wait(timeout=120) == 0, first.stderr.read() if first.stderr else ""
     assert precache_cli("verify", str(out)).returncode == 0
     assert Cache(out).manifest.counts["ok"] == 24
 
 
-def test_module_and_console_script_agree() -> None:
+@pytest.mark.parametrize(("args", "code", "fragment"), [
+    (["--version"], 0, "precache 0."),
+    (["run", "--help"], 0, "size=128"),
+    (["run", "images", "-i", "/no/such/folder", "-o", "OUT"], 2, "does not exist"),
+])
+def test_module_and_console_script_agree(args: list[str], code: int, fragment: str,
+                                         tmp_path: Path) -> None:
+    """``precache ...`` and ``python -m precache ...``: the same exit code and the same output."""
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in args]
     script = Path(sys.executable).with_name("precache")
-    result = subprocess.run([str(script), "--version"], capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.startswith("precache ")
+    assert script.is_file(), f"no console script beside {sys.executable}"
+    by_script = subprocess.run([str(script), *args], capture_output=True, text=True, cwd=REPO,
+                               timeout=120)
+    by_module = precache_cli(*args)
+    assert (by_script.returncode, by_script.stdout, by_script.stderr) == \
+        (by_module.returncode, by_module.stdout, by_module.stderr)
+    assert by_script.returncode == code and fragment in by_script.stdout + by_script.stderr
+
+
+def sigint_state(pid: int) -> str:
+    """How process ``pid`` handles SIGINT now: "ignored", "caught" or "default"."""
+    status = dict(line.split(":\t", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    bit = 1 << (signal.SIGINT - 1)
+    if int(status["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(status["SigCgt"], 16) & bit else "default"
 
 
 def _default_sigint() -> None:
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(photos: Path,
                                                                tmp_path: Path) -> None:
-    import os
-    import signal
-
     out = tmp_path / "cache"
-    args = ["run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(out), "-q", "--workers", "2",
-            "--shard-rows", "2", "--set", "delay=0.1"]
+    args = ["run", SYNC_PIPELINE, "-i", str(photos), "-o", str(out), "-q", "--workers", "2",
+            "--shard-rows", "2"]
+    # Each process commits its first task (2 inputs), then waits for a gate that never opens: the
+    # run is provably still going when the signal comes, with some work to reuse.
+    gated = dict(os.environ, PRECACHE_GATE=str(tmp_path / "never"), PRECACHE_GATE_AFTER="2")
     # The run must not inherit "ignore SIGINT": a shell starts background jobs (`cmd &`, nohup,
     # some CI runners) with SIGINT ignored, and Python then keeps ignoring it, as it should.
     proc = subprocess.Popen([sys.executable, "-m", "precache", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_default_sigint)
-    deadline = time.monotonic() + 60
-    while not list((out / "journal").glob("part-*.json")):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.3)  # past the moment the run ignores SIGINT while it starts its workers
-    masks = [line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-             if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]  # for the message below
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
-    _, stderr = proc.communicate(timeout=60)
+                            start_new_session=True, preexec_fn=_default_sigint, env=gated)
+    # Wait (polling: only the deadline guards against a hang) until a task has committed its
+    # shard, so the workers were started, and the run catches SIGINT again: it ignores SIGINT
+    # while it starts its workers, so that they inherit "ignore".
+    try:
+        deadline = time.monotonic() + 60
+        while not (list((out / "journal").glob("part-*.json"))
+                   and sigint_state(proc.pid) == "caught"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        masks = [line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                 if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]  # for the message below
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the test failed: the run would wait
+            proc.wait()
     assert proc.returncode == 130, (stderr, masks, signal.getsignal(signal.SIGINT))
     assert "Traceback" not in stderr and "interrupted" in stderr and "re-run" in stderr
     rerun = precache_cli(*args)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import struct
-import time
 import zlib
 
 import cv2
@@ -182,27 +181,53 @@ def bomb_png(width: int, height: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
 
 
-def test_decompression_bomb_png_is_refused_without_decoding():
-    data = bomb_png(30000, 30000)
-    start = time.perf_counter()
-    message = decode_error(data)
-    assert time.perf_counter() - start < 1.0  # 2.7 GB of pixels were never allocated
+@pytest.fixture
+def decoders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every pixel decoding started from now on: a Pillow decoder made (``ImageFile.load`` and
+    ``frombytes`` make one before reading any pixel) or an ``cv2.imdecode`` call."""
+    started: list[str] = []
+    pillow, opencv = Image._getdecoder, cv2.imdecode
+
+    def getdecoder(mode, decoder_name, *args, **kwargs):
+        started.append(f"Pillow {decoder_name}")
+        return pillow(mode, decoder_name, *args, **kwargs)
+
+    def imdecode(*args, **kwargs):
+        started.append("OpenCV")
+        return opencv(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "_getdecoder", getdecoder)
+    monkeypatch.setattr(cv2, "imdecode", imdecode)
+    return started
+
+
+def test_the_decoder_count_sees_pillow_and_opencv_decode(decoders):
+    png = encode(SMALL, "PNG")
+    decoders.clear()  # encode's Image.fromarray made a raw decoder
+    decode(png)
+    Image.open(io.BytesIO(png)).load()
+    assert decoders == ["OpenCV", "Pillow zip"]
+
+
+def test_decompression_bomb_png_is_refused_without_decoding(decoders):
+    message = decode_error(bomb_png(30000, 30000))
+    assert decoders == []  # refused from the header: 2.7 GB of pixels were never allocated
     assert "max_pixels" in message
 
 
-def test_pixel_limit_under_pillows_own_limit_is_checked_before_any_decoding():
+def test_pixel_limit_under_pillows_own_limit_is_checked_before_any_decoding(decoders):
     # 13000x13000 passes Pillow's bomb check but not the default max_pixels (150 MP).
-    start = time.perf_counter()
     message = decode_error(bomb_png(13000, 13000))
-    assert time.perf_counter() - start < 1.0
+    assert decoders == []
     assert "13000x13000" in message and "max_pixels" in message
 
 
-def test_raised_max_pixels_overrides_pillows_own_limit(monkeypatch):
+def test_raised_max_pixels_overrides_pillows_own_limit(monkeypatch, decoders):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # setup() raises it
     # 196 MP: over Pillow's default refusal (179 MP), under max_pixels, so OpenCV gets to try.
     message = decode_error(bomb_png(14000, 14000), max_pixels=250_000_000)
     assert "pixel limit" not in message and "could not decode" in message
+    assert decoders == ["OpenCV"]
 
 
 def test_max_pixels_parameter():
