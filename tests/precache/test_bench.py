@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import precache
+from precache import bench
 from precache.bench import _run_epochs, default_worker_counts
 from precache.cli import main
 from precache.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
@@ -60,7 +61,8 @@ def test_bench_reports_every_rate_ratio_recommendation_and_worker_rss(root, caps
     for c in result["cached"]:
         assert c["fraction_of_limit"] > 0 and c["vs_per_file"] > 0 and c["batch_size"] == 16
     assert result["cached"][0]["rss_kb"] == []  # no workers, no worker memory
-    assert all(kb > 0 for epoch in result["cached"][1]["rss_kb"] for kb in epoch)
+    rss = result["cached"][1]["rss_kb"]
+    assert rss and all(epoch and all(kb > 0 for kb in epoch) for epoch in rss)
     assert [b["batch_size"] for b in result["batch_sizes"]] == [16, 64]  # 256, 1024 > 64 rows
     rec = result["recommendation"]
     assert rec["num_workers"] in (0, 1) and rec["batch_size"] in (16, 64)
@@ -99,19 +101,25 @@ def test_an_unknown_column_is_a_one_line_error_with_exit_2(root, capsys):
     assert "landmarks" in _one_line_error(capsys)
 
 
-def test_epochs_repeat_until_the_time_and_a_long_epoch_is_cut():
-    def epoch(e: int):
-        for _ in range(100):
-            time.sleep(0.001)
+def test_epochs_repeat_until_the_time_and_a_long_epoch_is_cut(monkeypatch):
+    """On a fake clock that only the batches move (1/1024 s each, exact in binary), so the
+    counts are exact whatever the machine's load."""
+    tick = 2.0 ** -10
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def epoch(e: int, batches: int = 100):
+        for _ in range(batches):
+            clock.now += tick
             yield 4
 
-    rates = _run_epochs(epoch, 0.05)
-    assert len(rates.epoch_rates) == 2 and rates.cut_epochs == 2  # each cut after ~0.05 s
-    assert all(0 < r <= 4000 for r in rates.epoch_rates)  # 4 samples per >= 1 ms
-    whole = _run_epochs(epoch, 0.05, cut=100)
-    assert len(whole.epoch_rates) == 2 and whole.cut_epochs == 0  # not cut: 2 x 100 batches
-    many = _run_epochs(lambda e: iter([8]), 0.02)
-    assert len(many.epoch_rates) > 2 and many.epoch1 > 0 and many.epoch2 > 0
+    rates = _run_epochs(epoch, 50 * tick)
+    assert rates.epoch_rates == [4 / tick] * 2 and rates.cut_epochs == 2  # each cut at 50 ticks
+    whole = _run_epochs(epoch, 50 * tick, cut=100 * tick)
+    assert whole.epoch_rates == [4 / tick] * 2 and whole.cut_epochs == 0  # 2 x 100 batches
+    many = _run_epochs(lambda e: epoch(e, batches=1), 20 * tick)
+    assert len(many.epoch_rates) == 21 and many.cut_epochs == 0  # the first, then 20 timed ones
+    assert many.epoch1 == many.epoch2 == 4 / tick
 
 
 def test_default_worker_counts_start_with_the_main_process():

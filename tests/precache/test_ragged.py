@@ -31,6 +31,7 @@ def test_a_ragged_column_survives_a_run(tmp_path, fmt):
     assert precache.verify(out) == []
     assert "ragged   uint16[*]" in format_description(describe_cache(out))
     rows = precache.Cache(out).read_all(["key", "ids", "length"])
+    assert len(rows["key"]) == 20
     for key, ids, length in zip(rows["key"], rows["ids"], rows["length"]):
         assert ids.dtype == np.uint16 and len(ids) == length
         np.testing.assert_array_equal(ids, np.frombuffer(texts[key], np.uint8))

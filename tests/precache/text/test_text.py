@@ -51,6 +51,7 @@ def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(cor
     tok.no_padding()
     tok.enable_truncation(64)
     rows = precache.Cache(corpus / "cache").read_all(["key", "ids", "length", "label"])
+    assert sorted(rows["key"]) == sorted(k for k in DOCS if k != "latin1.txt")
     for key, ids, length, label in zip(rows["key"], rows["ids"], rows["length"], rows["label"]):
         expected = tok.encode(DOCS[key].removeprefix("\ufeff")).ids
         assert ids.dtype == np.uint16 and ids.tolist() == expected and length == len(expected)
@@ -84,7 +85,9 @@ def test_batches_are_padded_to_their_longest_sequence(corpus):
     dataset = CachedDataset(corpus / "padded", columns=["ids", "length", "label"])
     loader = make_loader(dataset, 2, shuffle=False, num_workers=0, collate_fn=TokenCollate(multiple_of=8))
     loader.set_epoch(0)
-    for batch in loader:
+    batches = list(loader)
+    assert len(batches) == -(-len(dataset) // 2)
+    for batch in batches:
         lengths = batch["length"]
         assert batch["input_ids"].shape[1] == -(-int(lengths.max()) // 8) * 8
         assert torch.equal(batch["attention_mask"].sum(dim=1), lengths)
