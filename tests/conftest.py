@@ -114,3 +114,44 @@ def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
     assert done.returncode == 0, (f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
                                   f"--- stderr\n{done.stderr[-8000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+
+
+def launch_ranks(module: str, world: int, out: Path, args: list[str], timeout: float) -> list[dict]:
+    """Run ``python -m module *args`` as ``world`` gloo ranks (RANK, WORLD_SIZE, a free
+    MASTER_PORT on 127.0.0.1), each in its own process group; kill them all if one fails or
+    ``timeout`` (a guard against a hang) runs out. Each rank writes ``out/rank<R>.json``, and
+    their contents are returned in rank order."""
+    import json
+    import signal
+    import time
+
+    out.mkdir(parents=True)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=REPO,
+            env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))  # its own process group: killing it takes its workers too
+        log.close()
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            timed_out = time.monotonic() > deadline
+            if timed_out or any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        logs = "\n".join(f"--- rank {r} (exit {p.returncode})\n{(out / f'rank{r}.log').read_text()}"
+                         for r, p in enumerate(procs))
+        why = f"timed out after {timeout:.0f} s" if timed_out else "failed"
+        pytest.fail(f"{world} ranks {why}:\n{logs[-6000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

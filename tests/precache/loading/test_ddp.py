@@ -8,18 +8,14 @@ the sampler state) to ``rank<r>.json`` for the parent test to check.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 import precache
-from tests.conftest import REPO, free_port, write_photos
+from tests.conftest import launch_ranks, write_photos
 
 pytestmark = pytest.mark.slow
 
@@ -61,38 +57,9 @@ def rank_main(cache: str, out: str, stop_after: int, shard_window: int, state_pa
 
 def launch(world: int, cache: Path, out: Path, stop_after: int = 0, shard_window: int = 0,
            state: Path | None = None) -> list[dict]:
-    """Run ``world`` rank processes to the end; kill them all if one fails or time runs out."""
-    out.mkdir(parents=True)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    args = [str(cache), str(out), str(stop_after), str(shard_window), str(state or "")]
-    procs = []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.precache.loading.test_ddp", *args], cwd=REPO,
-            env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))  # its own process group: killing it takes its workers too
-        log.close()
-    deadline = time.monotonic() + TIMEOUT
-    timed_out = False
-    try:
-        while any(p.poll() is None for p in procs):
-            timed_out = time.monotonic() > deadline
-            if timed_out or any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        logs = "\n".join(f"--- rank {r} (exit {p.returncode})\n{(out / f'rank{r}.log').read_text()}"
-                         for r, p in enumerate(procs))
-        why = f"timed out after {TIMEOUT:.0f} s" if timed_out else "failed"
-        pytest.fail(f"{world} ranks {why}:\n{logs[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    """Run ``world`` rank processes of this module to the end (``launch_ranks``)."""
+    return launch_ranks("tests.precache.loading.test_ddp", world, out,
+                        [str(cache), str(out), str(stop_after), str(shard_window), str(state or "")], TIMEOUT)
 
 
 def expected_keys(cache: Path, world: int, shard_window: int = 0,
