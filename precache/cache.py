@@ -44,7 +44,7 @@ from precache.disk_cache import DiskCache
 from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
 from precache.hashing import file_checksum
 from precache.lease import LeaseLost, WriterLease
-from precache.manifest import Manifest, ManifestError, atomic_write_bytes
+from precache.manifest import TABLE_NAMES, Manifest, ManifestError, atomic_write_bytes
 from precache.schema import ColumnSpec
 from precache.storage import Store, is_remote, local_path, private_dir, work_dir_for
 
@@ -55,8 +55,8 @@ MARKER = ".precache"
 """The file that makes a folder precache's before it has a manifest (written before any shard)."""
 
 OWN_NAMES = {
-    "": re.compile(r"manifest\.json|\.manifest\.json\.tmp-\d+|(index|errors)-\d{5,}\.parquet"
-                   r"|errors\.parquet|\.lock|\.writer\.json|\.precache"),
+    "": re.compile("|".join([r"manifest\.json|\.manifest\.json\.tmp-\d+|\.lock|\.writer\.json"
+                             r"|\.precache", *(p.pattern for p, _ in TABLE_NAMES.values())])),
     "shards": re.compile(r"part-\d{5,}\.(parquet|h5)"),
     "journal": re.compile(r"\.?(part-\d{5,}\.json|base-generation)(\.tmp-\d+)?"),
     ".staging": re.compile(r"(fetched-)?part-\d{5,}\.(parquet|h5)(\.tmp-\d+)?"
@@ -185,8 +185,7 @@ class CacheLayout:
     def is_table(name: str) -> bool:
         """Whether ``name`` is an index or errors table of some generation (or the single
         ``errors.parquet`` of caches written before errors tables had generations)."""
-        return name == "errors.parquet" or (
-            name.startswith(("index-", "errors-")) and name.endswith(".parquet"))
+        return any(pattern.fullmatch(name) for pattern, _ in TABLE_NAMES.values())
 
     @staticmethod
     def shard_name(seq: int, suffix: str) -> str:

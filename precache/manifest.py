@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from precache.formats import FORMATS
-from precache.formats.base import ShardInfo
+from precache.formats.base import ShardInfo, check_count
 from precache.formats.base import short_repr as _show
 from precache.hashing import CHECKSUM_FORM, is_checksum
 from precache.schema import ColumnSpec, schema_from_json, schema_to_json
 
-__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "atomic_write_bytes"]
+__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "TABLE_NAMES", "atomic_write_bytes"]
 
 FORMAT_VERSION = 1
 
@@ -36,12 +36,13 @@ class ManifestError(ValueError):
     precache does not write (a path outside the cache, a malformed checksum)."""
 
 
-_TABLES = {
+TABLE_NAMES = {
     "index": (re.compile(r"index-[0-9]{5,}\.parquet"), "index-NNNNN.parquet"),
     "errors": (re.compile(r"errors-[0-9]{5,}\.parquet|errors\.parquet"),
                "errors-NNNNN.parquet or errors.parquet"),
 }
-"""The names the index and errors tables may have: plain file names at the cache's top."""
+"""The names the index and errors tables may have: plain file names at the cache's top (the
+older single ``errors.parquet`` too). The one definition: the cache layout deletes by it."""
 
 _FIX = ("it was not written by precache or was changed since; nothing was read from the cache "
         "(if the cache is yours, rebuild it: precache run ... --overwrite)")
@@ -74,7 +75,7 @@ def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str
                       "shard once")
         seen.add(info.path)
         shards.append(info)
-    for table, (pattern, form) in _TABLES.items():
+    for table, (pattern, form) in TABLE_NAMES.items():
         entry = obj[table]
         if not isinstance(entry, dict):
             raise bad(f"{table} is {_show(entry)}, expected an object with path and checksum")
@@ -88,8 +89,10 @@ def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str
         raise bad(f"counts is {_show(counts)}, expected an object")
     numbers = [(f"counts.{key}", value) for key, value in counts.items()]
     for entry, value in [*numbers, ("generation", obj["generation"])]:
-        if type(value) is not int or value < 0:
-            raise bad(f"{entry} is {_show(value)}, expected a non-negative integer")
+        try:
+            check_count(entry, value)
+        except ValueError as e:
+            raise bad(str(e)) from None
     return shards, counts
 
 

@@ -19,7 +19,7 @@ from precache.hashing import CHECKSUM_FORM, is_checksum
 from precache.schema import ColumnSpec
 
 __all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "SHARD_PATH_FORM",
-           "short_repr"]
+           "check_count", "short_repr"]
 
 SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
 """How a shard's path in a manifest looks, for messages."""
@@ -27,9 +27,9 @@ SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
 _SHARD_PATH = re.compile(r"shards/part-[0-9]{5,}\.[A-Za-z0-9]+")
 
 
-def _count(obj: dict[str, Any], name: str) -> int:
-    """The non-negative integer ``obj[name]`` (``ValueError`` naming the field otherwise)."""
-    value = obj[name]
+def check_count(name: str, value: Any) -> int:
+    """``value``, a non-negative integer read from a manifest field ``name`` (``ValueError``
+    naming the field otherwise)."""
     if type(value) is not int or value < 0:  # not bool, float or str: JSON writes ints as ints
         raise ValueError(f"{name} is {short_repr(value)}, expected a non-negative integer")
     return value
@@ -93,7 +93,7 @@ class ShardInfo:
             form = SHARD_PATH_FORM if suffix is None else f"shards/part-NNNNN{suffix}"
             raise ValueError(f"path is {short_repr(path)}, expected {form} (a file in the "
                              "cache's shards folder)")
-        rows, size = _count(obj, "rows"), _count(obj, "bytes")
+        rows, size = check_count("rows", obj["rows"]), check_count("bytes", obj["bytes"])
         checksum = obj["checksum"]
         if not is_checksum(checksum):
             raise ValueError(f"checksum is {short_repr(checksum)}, expected {CHECKSUM_FORM}")
