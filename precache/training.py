@@ -12,8 +12,8 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-__all__ = ["OneCycleSchedule", "mixed_precision", "one_cycle", "open_keys_log", "open_lr_log",
-           "optimizer_step"]
+__all__ = ["OneCycleSchedule", "log_lr", "mixed_precision", "one_cycle", "open_keys_log",
+           "open_lr_log", "optimizer_step"]
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 WARMUP = 0.3  # share of the run spent rising to the peak (torch's OneCycleLR pct_start default)
@@ -144,6 +144,14 @@ def open_keys_log(folder: str | os.PathLike[str] | None, rank: int) -> IO[str] |
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     return (Path(folder) / f"keys-rank{rank}.tsv").open("a")
+
+
+def log_lr(lr_log: IO[str] | None, step: int, schedule: OneCycleSchedule) -> None:
+    """Append the rate of optimizer step ``step`` and the progress it was read at to
+    ``lr_log`` (``open_lr_log``; None on ranks other than 0)."""
+    if lr_log is not None:
+        lr = schedule.optimizer.param_groups[0]["lr"]
+        lr_log.write(f"{step}\t{schedule.samples_seen}\t{schedule.samples_planned}\t{lr!r}\n")
 
 
 def open_lr_log(folder: str | os.PathLike[str], rank: int) -> IO[str] | None:

@@ -31,8 +31,8 @@ from precache.augment import FaceAugment
 from precache.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
-from precache.training import (OneCycleSchedule, mixed_precision, open_keys_log, open_lr_log,
-                               optimizer_step)
+from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
+                               open_lr_log, optimizer_step)
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 
@@ -181,9 +181,7 @@ def main() -> None:
             pending += len(images)
             position = seen  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                if lr_log is not None:  # this step's rate, and the progress it was read at
-                    lr_log.write(f"{step}\t{schedule.samples_seen}\t{schedule.samples_planned}\t"
-                                 f"{optimizer.param_groups[0]['lr']!r}\n")
+                log_lr(lr_log, step, schedule)  # the rate this step uses
                 # every rank's batches hold as many samples (lock-step): no all_reduce needed
                 optimizer_step(net, optimizer, scaler, schedule, args.clip, samples=pending * world)
                 pending = 0
@@ -218,8 +216,7 @@ def main() -> None:
         record = {"epoch": epoch, "step": step, "train_loss": train_loss, "val_l1": val_error,
                   "samples_per_s": seen_all / max(1e-9, wait + busy), "data_wait": wait_share,
                   "world_size": world, "lr": optimizer.param_groups[0]["lr"],
-                  "samples_seen": schedule.samples_seen,
-                  "samples_planned": schedule.samples_planned}
+                  **schedule.state_dict()}  # samples seen and planned
         if not done:
             epoch += 1
         save(out / "last.pt")

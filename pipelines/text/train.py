@@ -33,8 +33,8 @@ from precache.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
-from precache.training import (OneCycleSchedule, mixed_precision, open_keys_log, open_lr_log,
-                               optimizer_step)
+from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
+                               open_lr_log, optimizer_step)
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 
@@ -192,9 +192,7 @@ def main() -> None:
             pending += len(ids)
             position = i + 1  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
-                if lr_log is not None:  # this step's rate, and the progress it was read at
-                    lr_log.write(f"{step}\t{schedule.samples_seen}\t{schedule.samples_planned}\t"
-                                 f"{optimizer.param_groups[0]['lr']!r}\n")
+                log_lr(lr_log, step, schedule)  # the rate this step uses
                 # every rank's batches hold as many samples (lock-step): no all_reduce needed
                 optimizer_step(net, optimizer, scaler, schedule, args.clip, samples=pending * world)
                 pending = 0
@@ -226,8 +224,8 @@ def main() -> None:
                   "val_accuracy": c / max(1, n), "samples_per_s": seen_all / max(1e-9, elapsed),
                   "tokens_per_s": tok / max(1e-9, elapsed), "padding": 1 - tok / max(1, slot),
                   "data_wait": wait_all / max(1e-9, time_all), "world_size": world,
-                  "lr": optimizer.param_groups[0]["lr"], "samples_seen": schedule.samples_seen,
-                  "samples_planned": schedule.samples_planned}
+                  "lr": optimizer.param_groups[0]["lr"],
+                  **schedule.state_dict()}  # samples seen and planned
         if not done:
             epoch += 1
             position = 0  # the next epoch starts from its beginning
