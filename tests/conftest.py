@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -73,6 +74,23 @@ def precache_cli(*args: str, env: dict[str, str] | None = None, timeout: float =
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "precache", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout, cwd=REPO, **kwargs)
+
+
+def wait_until(done: Callable[[], bool], what: str, *, timeout: float = 60.0,
+               proc: subprocess.Popen | None = None, interval: float = 0.02) -> None:
+    """Poll ``done()`` until it is true: the event a test waits for instead of a sleep.
+    ``timeout`` only guards against a hang (the test fails naming ``what``); ``proc``, if given,
+    must stay alive meanwhile (the test fails with its stderr if it ends first)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            pytest.fail(f"the process ended (exit {proc.returncode}) before {what}\n{err}")
+        assert time.monotonic() < deadline, f"gave up after {timeout:.0f} s waiting for {what}"
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from precache import Cache, verify
-from tests.conftest import REPO, precache_cli, read_calls, write_photos
+from tests.conftest import REPO, precache_cli, read_calls, wait_until, write_photos
 from tests.precache.sync_pipeline import TIMEOUT_S, logged_pids
 
 pytestmark = pytest.mark.slow
@@ -37,11 +36,8 @@ def start_run(photos: Path, out: Path, *extra: str, gate_after: int,
 def kill_after_commits(proc: subprocess.Popen[bytes], journal: Path, commits: int) -> None:
     """Wait until ``commits`` tasks are journaled, then SIGKILL the run and its workers."""
     try:
-        deadline = time.monotonic() + 90  # only against a hang: the run waits at its gates
-        while len(list(journal.glob("part-*.json"))) < commits:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.monotonic() < deadline, "run made no progress"
-            time.sleep(0.05)
+        wait_until(lambda: len(list(journal.glob("part-*.json"))) >= commits,
+                   f"{commits} journaled tasks", timeout=90, proc=proc)  # it waits at its gates
         assert proc.poll() is None  # still going: killed mid-run, not after it
     finally:
         if proc.poll() is None:
@@ -138,19 +134,15 @@ def test_workers_die_with_a_killed_run_and_leave_nothing_running(tmp_path: Path,
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=gated,
         start_new_session=True)  # its own process group, to clean up after a failure
     try:
-        deadline = time.monotonic() + 60  # only against a hang
-        while len(list((out / "journal").glob("part-*.json"))) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: len(list((out / "journal").glob("part-*.json"))) >= 3,
+                   "3 journaled tasks", proc=proc)
         workers = [int(pid) for pid in logged_pids(str(call_log)) - {str(proc.pid)}]
         assert len(workers) == 2 and set(workers) <= set(child_pids(proc.pid))
         os.kill(proc.pid, signal.SIGKILL)  # the run's process only, not its group
         proc.wait()
         # Only against a hang: a worker left alive would wait at its gate for TIMEOUT_S.
-        deadline = time.monotonic() + TIMEOUT_S / 2
-        while any(alive(pid) for pid in workers):
-            assert time.monotonic() < deadline, "worker processes outlived the killed run"
-            time.sleep(0.05)
+        wait_until(lambda: not any(alive(pid) for pid in workers),
+                   "the worker processes to die with the killed run", timeout=TIMEOUT_S / 2)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's group

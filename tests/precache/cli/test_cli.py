@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from precache import Cache
-from tests.conftest import REPO, precache_cli, read_calls
+from tests.conftest import REPO, precache_cli, read_calls, wait_until
 
 SYNC_PIPELINE = str(REPO / "tests" / "precache" / "sync_pipeline.py")
 
@@ -119,10 +118,8 @@ def test_second_writer_is_refused_and_the_first_finishes(photos: Path, tmp_path:
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PRECACHE_GATE=str(gate)))
     try:
-        deadline = time.monotonic() + 60  # only against a hang
-        while not read_calls(call_log):
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: bool(read_calls(call_log)), "the first run's first sample",
+                   proc=first)
         second = precache_cli("run", SYNC_PIPELINE, "-i", str(photos), "-o", str(out), "-q")
         assert_one_line_error(second, 1, "being written by another precache run")
         assert f"pid {first.pid}" in second.stderr
@@ -184,11 +181,9 @@ def test_ctrl_c_exits_130_with_one_line_and_the_rerun_resumes(photos: Path,
     # shard, so the workers were started, and the run catches SIGINT again: it ignores SIGINT
     # while it starts its workers, so that they inherit "ignore".
     try:
-        deadline = time.monotonic() + 60
-        while not (list((out / "journal").glob("part-*.json"))
-                   and sigint_state(proc.pid) == "caught"):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: bool(list((out / "journal").glob("part-*.json")))
+                   and sigint_state(proc.pid) == "caught",
+                   "a committed shard and SIGINT caught again", proc=proc)
         masks = [line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
                  if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]  # for the message below
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
