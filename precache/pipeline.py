@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
 
+from precache.cache.fingerprint import fingerprint, op_fingerprint
 from precache.ops.base import Op
 
 __all__ = ["Pipeline", "PipelineError", "load_pipeline", "available_pipelines", "fingerprint",
@@ -175,15 +176,3 @@ def load_pipeline(ref: str) -> Pipeline:
     if not isinstance(obj, Pipeline):
         raise PipelineError(f"'{ref}' is a {type(obj).__name__}, not a precache Pipeline")
     return Pipeline(obj.name, obj.make_ops, obj.extensions, obj.description, ref=resolved)
-
-
-def op_fingerprint(description: dict[str, Any]) -> str:
-    """A short hash of one op's name, version, parameters and weight hashes."""
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def fingerprint(descriptions: list[dict[str, Any]], shard_format: str) -> str:
-    """The cache fingerprint: a hash of every op's name, version, parameters and weight hashes,
-    and of the shard format. Any change means the cache is rebuilt."""
-    blob = json.dumps({"ops": descriptions, "format": shard_format}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]

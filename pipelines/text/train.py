@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from precache.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
-from precache.distributed import cleanup, init_distributed
+from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
+from precache.training.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate

@@ -9,9 +9,9 @@ from precache import __version__
 from precache.build import RunError
 from precache.cache import CacheBusyError
 from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer_cmd, verify_cmd
-from precache.manifest import ManifestError
+from precache.cache.manifest import ManifestError
 from precache.pipeline import PipelineError
-from precache.sources import InputError
+from precache.build.sources import InputError
 from precache.storage import StorageError
 
 __all__ = ["main"]

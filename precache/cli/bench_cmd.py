@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from precache.manifest import ManifestError
+from precache.cache.manifest import ManifestError
 
-# precache.bench imports torch (over a second): it is imported when the command runs, so that
+# precache.cli.bench imports torch (over a second): it is imported when the command runs, so that
 # every other subcommand starts fast.
 
 EPILOG = """\
@@ -74,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from precache.bench import bench_loader, format_report
+    from precache.cli.bench import bench_loader, format_report
 
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from precache.inspect import describe_cache, format_description
+from precache.cache.inspect import describe_cache, format_description
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from precache.preview import write_previews
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -33,6 +31,9 @@ def preview_command(args: argparse.Namespace) -> int:
     if args.n < 1 or args.scale < 1:
         print("precache preview: error: --n and --scale must be at least 1", file=sys.stderr)
         return 2
+    # imported here: they import torch, which `precache --version` and other commands do not need
+    from precache.cli.preview import write_previews
+
     augment = None
     if not args.no_augment:
         from precache.augment import FaceAugment

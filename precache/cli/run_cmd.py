@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from precache.build import DEFAULT_SHARD_ROWS, RunSummary, default_workers, run
-from precache.formats import FORMATS
-from precache.inspect import _size
+from precache.cache.formats import FORMATS
+from precache.cache.inspect import _size
 from precache.pipeline import PipelineError, available_pipelines, load_pipeline
 
 EPILOG = """\

@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from precache.tokenizer_train import train_tokenizer
+    from precache.cli.tokenizer_train import train_tokenizer
 
     try:
         path = train_tokenizer(args.input, args.output, model=args.model,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from precache.verify import verify
+from precache.cache.verify import verify
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

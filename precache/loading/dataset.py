@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
-from precache.disk_cache import DiskCache
-from precache.formats.base import ShardReader
+from precache.storage.disk_cache import DiskCache
+from precache.cache.formats.base import ShardReader
 
 __all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
 

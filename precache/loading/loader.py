@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from precache.loading.dataset import collate_samples
 from precache.loading.sampler import DistributedShardSampler
-from precache.worker import pin_threads
+from precache.threads import pin_threads
 
 __all__ = ["make_loader", "CacheLoader", "default_workers"]
 

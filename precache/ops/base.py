@@ -12,7 +12,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Union
 
-from precache.hashing import file_sha256
+from precache.storage.hashing import file_sha256
 
 __all__ = ["Op", "Skip", "FunctionOp", "OpResult", "Sample", "file_sha256"]
 

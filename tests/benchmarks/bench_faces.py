@@ -54,8 +54,8 @@ import precache  # noqa: E402
 from precache.augment import FaceAugment  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
 from precache.ops import Op, Skip  # noqa: E402
-from precache.sources import list_inputs  # noqa: E402
-from precache.worker import pin_threads  # noqa: E402
+from precache.build.sources import list_inputs  # noqa: E402
+from precache.threads import pin_threads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stage1 import load_make_samples  # noqa: E402  (a sibling script, not a package)
@@ -71,7 +71,7 @@ SEED = 0
 # is cheap once these are loaded.)
 PRELOAD = ["torch", "torch.utils.data", "cv2", "albumentations", "precache", "precache.loading",
            "precache.augment", "precache.ops.face_detect", "precache.ops.face_mesh",
-           "pipelines.faces.pipeline"]
+           "precache.pipelines.faces.pipeline"]
 Sample = dict[str, Any]
 pipeline = precache.load_pipeline("faces")
 

@@ -26,7 +26,7 @@ import pytest
 from torch.distributed.run import get_args_parser  # torchrun's own command line
 
 import precache
-from precache.distributed import slurm_default_port
+from precache.training.distributed import slurm_default_port
 from tests.conftest import REPO, free_port, make_face_cache
 from tests.pipelines.coverage import (assert_each_sample_once_per_epoch, clean_env, read_metrics,
                                       seen_keys, training_keys)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from precache.checkpoint import load_checkpoint
+from precache.training.checkpoint import load_checkpoint
 from tests.conftest import make_face_cache, run_torchrun
 from tests.pipelines.coverage import training_keys
 from tests.pipelines.resume_checks import (assert_each_sample_once_per_epoch, assert_on_the_curve,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import precache
-from precache.checkpoint import load_checkpoint, save_checkpoint
+from precache.training.checkpoint import load_checkpoint, save_checkpoint
 from tests.conftest import run_torchrun
 from tests.pipelines.coverage import training_keys
 from tests.pipelines.resume_checks import (assert_each_sample_once_per_epoch, assert_on_the_curve,

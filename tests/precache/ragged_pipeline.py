@@ -6,7 +6,7 @@ import numpy as np
 
 from precache.ops import FunctionOp, Op
 from precache.pipeline import Pipeline
-from precache.schema import ragged
+from precache.cache.schema import ragged
 
 
 def byte_ids(sample: dict) -> dict:

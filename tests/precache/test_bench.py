@@ -11,7 +11,7 @@ import pytest
 
 import precache
 from precache import bench
-from precache.bench import _run_epochs, default_worker_counts
+from precache.cli.bench import _run_epochs, default_worker_counts
 from precache.cli import main
 from precache.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
 from tests.conftest import write_photos

@@ -13,7 +13,7 @@ import precache
 from precache import Cache, RunError
 from precache.cache import CacheLayout
 from precache.storage import Store
-from precache.verify import verify
+from precache.cache.verify import verify
 from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
 from tests.precache.sync_pipeline import logged_pids
 

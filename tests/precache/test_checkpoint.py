@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from precache.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
+from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from precache.loading import make_loader
 from precache.loading.buckets import LengthBucketSampler
 from precache.training import OneCycleSchedule, optimizer_step

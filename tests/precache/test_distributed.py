@@ -1,4 +1,4 @@
-"""precache.distributed without processes: Slurm host lists, which launcher's variables win, the
+"""precache.training.distributed without processes: Slurm host lists, which launcher's variables win, the
 meeting point of a Slurm job, and the device a local rank gets. The real launches (two torchrun
 "nodes", two srun-style tasks) are in tests/pipelines/test_multinode.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precache.distributed import (
+from precache.training.distributed import (
     Launch,
     cleanup,
     device_for,

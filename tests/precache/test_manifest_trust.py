@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from precache.formats.base import ShardInfo
-from precache.manifest import Manifest, ManifestError
-from precache.schema import ColumnSpec
+from precache.cache.formats.base import ShardInfo
+from precache.cache.manifest import Manifest, ManifestError
+from precache.cache.schema import ColumnSpec
 
 WHERE = "s3://bucket/cache/manifest.json"
 HEX = "0123456789abcdef" * 4

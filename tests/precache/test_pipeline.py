@@ -21,7 +21,7 @@ def test_installed_pipeline_and_its_typed_overrides() -> None:
 
 
 def test_pipeline_from_module_attr_and_from_file(tmp_path: Path) -> None:
-    assert load_pipeline("pipelines.images.pipeline:pipeline").name == "images"
+    assert load_pipeline("precache.pipelines.images.pipeline:pipeline").name == "images"
     path = tmp_path / "mine.py"
     path.write_text("from precache import Pipeline\n"
                     "def make_ops(flag: bool = False, name: str = 'a'):\n    return []\n"
@@ -50,7 +50,7 @@ def test_an_input_folder_named_like_a_pipeline_neither_shadows_it_nor_runs(
     ran = tmp_path / "pipeline-py-ran"
     (tmp_path / "images" / "pipeline.py").write_text(
         f"open({str(ran)!r}, 'w').write('ran')\n"
-        "from pipelines.images.pipeline import pipeline as images\n"
+        "from precache.pipelines.images.pipeline import pipeline as images\n"
         "from precache import Pipeline\n"
         "pipeline = Pipeline('folder', images.make_ops, images.extensions)\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))

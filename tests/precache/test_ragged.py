@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import precache
-from precache.inspect import describe_cache, format_description
+from precache.cache.inspect import describe_cache, format_description
 from precache.loading import CachedDataset
 
 PIPELINE = str(Path(__file__).with_name("ragged_pipeline.py"))

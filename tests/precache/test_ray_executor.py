@@ -32,7 +32,7 @@ import pytest
 import precache
 from precache import Cache, RunError, verify
 from precache.cli import main
-from precache.executor_ray import MAX_ATTEMPTS
+from precache.build.executors.ray import MAX_ATTEMPTS
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
 from tests.precache.sync_pipeline import logged_pids
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precache.formats import FORMATS
-from precache.hashing import file_checksum
-from precache.schema import ColumnSpec, infer_spec, ragged, rows_to_columns
+from precache.cache.formats import FORMATS
+from precache.storage.hashing import file_checksum
+from precache.cache.schema import ColumnSpec, infer_spec, ragged, rows_to_columns
 
 
 def make_rows(n: int) -> list[dict]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from precache import disk_cache
-from precache.disk_cache import DiskCache
-from precache.formats.base import ShardInfo
-from precache.hashing import file_checksum
+from precache.storage.disk_cache import DiskCache
+from precache.cache.formats.base import ShardInfo
+from precache.storage.hashing import file_checksum
 from precache.storage import Store, UnsafeFolderError
 
 OTHER_USER = 65534  # nobody

@@ -15,7 +15,7 @@ import pytest
 
 from precache import Cache, verify
 from precache.cache import MARKER
-from precache.lease import LEASE_FILE
+from precache.storage.lease import LEASE_FILE
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos

@@ -14,7 +14,7 @@ import pytest
 
 import precache
 from precache import lease as lease_module
-from precache.lease import LEASE_FILE, LeaseLost, WriterLease
+from precache.storage.lease import LEASE_FILE, LeaseLost, WriterLease
 from precache.storage import Store
 from tests.conftest import COUNTING_PIPELINE, precache_cli, wait_until, write_photos
 from tests.precache.storage.conftest import build

@@ -9,7 +9,7 @@ import pytest
 
 import precache
 from precache.cache import CacheLayout
-from precache.sources import InputError, list_inputs
+from precache.build.sources import InputError, list_inputs
 from precache.storage import (Store, StorageError, is_remote, local_path,
                               open_input_file, read_remote_bytes, resolve)
 from tests.conftest import write_photos

@@ -13,7 +13,7 @@ import pytest
 
 import precache
 from precache.records import parse_record, read_record, records_of
-from precache.sources import list_inputs
+from precache.build.sources import list_inputs
 
 tokenizers = pytest.importorskip("tokenizers")
 

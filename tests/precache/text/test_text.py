@@ -58,7 +58,7 @@ def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(cor
         assert label == (key.split("/")[0] if "/" in key else "")
     assert max(rows["length"]) == 64  # the long document was truncated
     assert tok.decode(rows["ids"][rows["key"].index("e.txt")].tolist()).startswith("a document")
-    from precache.inspect import describe_cache, format_description
+    from precache.cache.inspect import describe_cache, format_description
 
     lengths = describe_cache(corpus / "cache")["lengths"]["ids"]
     assert lengths["max"] == 64 and lengths["total"] == sum(rows["length"])

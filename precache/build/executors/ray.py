@@ -5,7 +5,7 @@ one at a time; whichever actor is free gets the next task (largest first), so ac
 together. An actor commits its task's shard itself, straight into the output: on a cluster of
 several machines the output is an object-store URL (then the driver writes the journal entries)
 or a path that every node sees at the same place (a shared file system). Results come back to the driver as they complete, in completion order, as
-with ``precache.executor.run_tasks``.
+with ``precache.build.executors.local.run_tasks``.
 
 An actor that dies (killed, out of memory, its node lost) costs only its task: the task goes to a
 fresh actor, up to ``MAX_ATTEMPTS`` times in all. Re-running a task is safe: a task always writes
@@ -31,8 +31,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from precache.executor import WorkerDied, largest_first
-from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
+from precache.build.executors.local import WorkerDied, largest_first
+from precache.build.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
+from precache.errors import RunError
 
 __all__ = ["run_tasks_ray", "require_ray", "MAX_ATTEMPTS", "INSTALL_HINT"]
 
@@ -55,8 +56,6 @@ def require_ray(address: str | None = None) -> None:
     Raises:
         RunError: Ray cannot be imported, or ``address`` (``HOST:PORT``) refuses connections.
     """
-    from precache.build import RunError  # not at the top: precache.build imports this module
-
     if importlib.util.find_spec("ray") is None:
         raise RunError(INSTALL_HINT)
     host, _, port = (address or "").rpartition(":")

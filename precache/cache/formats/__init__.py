@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from precache.formats.base import ShardFormat, ShardInfo, ShardReader
-from precache.formats.hdf5 import HDF5Format
-from precache.formats.parquet import ParquetFormat
+from precache.cache.formats.base import ShardFormat, ShardInfo, ShardReader
+from precache.cache.formats.hdf5 import HDF5Format
+from precache.cache.formats.parquet import ParquetFormat
 
 __all__ = ["FORMATS", "get_format", "ShardFormat", "ShardInfo", "ShardReader"]
 

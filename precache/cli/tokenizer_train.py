@@ -12,7 +12,7 @@ from pathlib import Path
 
 from precache.ops.base import Skip
 from precache.ops.text import TEXT_EXTENSIONS, DecodeText
-from precache.sources import list_inputs, read_bytes
+from precache.build.sources import list_inputs, read_bytes
 
 __all__ = ["train_tokenizer", "MODELS"]
 

@@ -14,19 +14,19 @@ one-line ``ManifestError`` naming the manifest, the entry and what was expected.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from precache.formats import FORMATS
-from precache.formats.base import ShardInfo, check_count
-from precache.formats.base import short_repr as _show
-from precache.hashing import CHECKSUM_FORM, is_checksum
-from precache.schema import ColumnSpec, schema_from_json, schema_to_json
+from precache.cache.formats import FORMATS
+from precache.cache.formats.base import ShardInfo, check_count
+from precache.cache.schema import ColumnSpec, schema_from_json, schema_to_json
+from precache.errors import short_repr as _show
+from precache.storage.durable import atomic_write_bytes
+from precache.storage.hashing import CHECKSUM_FORM, is_checksum
 
-__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "TABLE_NAMES", "atomic_write_bytes"]
+__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "TABLE_NAMES"]
 
 FORMAT_VERSION = 1
 
@@ -94,19 +94,6 @@ def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str
         except ValueError as e:
             raise bad(str(e)) from None
     return shards, counts
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
-
-    ``fsync`` also makes it survive a power cut, not only a crash of the process."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

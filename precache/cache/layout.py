@@ -28,28 +28,20 @@ anything else found there is reported and left alone.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from precache.disk_cache import DiskCache
-from precache.formats import ShardFormat, ShardInfo, ShardReader, get_format
-from precache.hashing import file_checksum
-from precache.lease import LeaseLost, WriterLease
-from precache.manifest import TABLE_NAMES, Manifest, ManifestError, atomic_write_bytes
-from precache.schema import ColumnSpec
+from precache.cache.formats import ShardFormat, ShardInfo
+from precache.cache.manifest import TABLE_NAMES
+from precache.cache.schema import ColumnSpec
 from precache.storage import Store, is_remote, local_path, private_dir, work_dir_for
+from precache.storage.durable import atomic_write_bytes, fsync_dir, fsync_file
+from precache.storage.hashing import file_checksum
 
-__all__ = ["CacheLayout", "CacheLock", "CacheBusyError", "Cache", "INDEX_SCHEMA", "ERRORS_SCHEMA",
-           "load_manifest", "read_table", "MARKER", "fsync_file", "fsync_dir"]
+__all__ = ["CacheLayout", "MARKER", "OWN_NAMES"]
 
 MARKER = ".precache"
 """The file that makes a folder precache's before it has a manifest (written before any shard)."""
@@ -64,78 +56,6 @@ OWN_NAMES = {
 }
 """Per folder of a cache, the names of the files that precache writes there: the only files it
 ever deletes."""
-
-
-def fsync_file(path: str | os.PathLike[str]) -> None:
-    """Flush a finished file's data to disk, so that a power cut cannot leave a published name
-    pointing at missing bytes."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a folder's entries (a rename into it) to disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-INDEX_SCHEMA = pa.schema([
-    ("key", pa.string()),
-    ("locator", pa.string()),
-    ("size", pa.int64()),
-    ("mtime_ns", pa.int64()),
-    ("source_hash", pa.string()),
-    ("status", pa.string()),        # ok | skipped | failed
-    ("stage", pa.string()),         # where it was skipped or failed: read or an op name
-    ("error_type", pa.string()),
-    ("message", pa.string()),       # the skip reason or the error message
-    ("shard", pa.int64()),          # sequence number of the shard holding its rows, -1 if none
-    ("rows", pa.int64()),
-])
-
-ERRORS_SCHEMA = pa.schema([
-    ("key", pa.string()),
-    ("locator", pa.string()),
-    ("stage", pa.string()),
-    ("error_type", pa.string()),
-    ("message", pa.string()),
-    ("source_hash", pa.string()),
-])
-
-
-class CacheBusyError(RuntimeError):
-    """Another process holds the cache's write lock."""
-
-
-def load_manifest(store: Store) -> Manifest:
-    """The manifest of the cache in ``store``.
-
-    Raises:
-        ManifestError: there is none (not a cache, or a run has not finished), or it is corrupt.
-        StorageError: the bucket is missing or the storage refuses access.
-    """
-    try:
-        data = store.read_bytes("manifest.json")
-    except (FileNotFoundError, NotADirectoryError):
-        store.check_bucket()
-        raise ManifestError(
-            f"'{store.url}' is not a precache cache (no manifest.json); a run that was "
-            "interrupted leaves none: re-run it to finish the cache"
-        ) from None
-    return Manifest.from_bytes(data, store.uri("manifest.json"))
-
-
-def read_table(store: Store, name: str) -> pa.Table:
-    """The Parquet table ``name`` of the cache in ``store`` (its index or errors table).
-    Single-threaded: Arrow's CPU pool, once started, can abort a process at exit
-    (apache/arrow#34314), and these tables are small."""
-    with store.open_input(name) as f:
-        return pq.read_table(f, use_threads=False)
 
 
 class CacheLayout:
@@ -220,6 +140,14 @@ class CacheLayout:
         if self.url is None:
             fsync_dir((self.root / rel).parent)
 
+    def write_journal_entry(self, entry: dict[str, Any]) -> None:
+        """Record a committed task in the run's journal (``journal/part-NNNNN.json``).
+
+        No fsync: an entry only has to survive a crash of the process; after a power cut the
+        next run checks each journaled shard's size and redoes the task if it does not match."""
+        atomic_write_bytes(self.journal / f"part-{entry['seq']:05d}.json",
+                           json.dumps(entry).encode(), fsync=False)
+
     # ---- what precache owns in the folder, and deletes ----------------------------------------
 
     def is_cache(self) -> bool:
@@ -298,136 +226,3 @@ class CacheLayout:
                     entry.unlink()
         self.journal.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(marker, str(generation).encode(), fsync=False)
-
-
-class CacheLock:
-    """Exclusive, non-blocking ``flock`` on ``CACHE/.lock``; released by the kernel if the
-    holder dies (kill -9), so a crashed run never blocks the next one. For a remote cache the
-    flock is in the local working directory, and a ``WriterLease`` on the URL keeps out runs on
-    other machines."""
-
-    def __init__(self, layout: CacheLayout) -> None:
-        self.layout = layout
-        self._fd: int | None = None
-        self._lease: WriterLease | None = None
-
-    def acquire(self) -> None:
-        """Take the lock or raise ``CacheBusyError`` naming the holder."""
-        self.layout.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise CacheBusyError(
-                    f"cache '{self.layout.location}' is being written by another precache run "
-                    f"(pid {holder}); wait for it to finish or choose another --output"
-                ) from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd = fd
-        if self.layout.url is not None:
-            lease = WriterLease(self.layout.store)
-            try:
-                lease.acquire()
-            except LeaseLost as e:
-                self.release()
-                raise CacheBusyError(str(e)) from None
-            self._lease = lease
-
-    def check(self) -> None:
-        """Before publishing: raise ``CacheBusyError`` if another run took the remote lease."""
-        if self._lease is not None:
-            try:
-                self._lease.check()
-            except LeaseLost as e:
-                raise CacheBusyError(f"{e}; this run did not publish its manifest") from None
-
-    def release(self) -> None:
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> CacheLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class Cache:
-    """Read access to a finished cache (its manifest, shards, index and errors).
-
-    Args:
-        path: the cache directory, or the URL of a remote cache.
-        disk_cache: where a remote cache's shards are kept locally (default: a ``DiskCache``
-            in ``precache_home()/shards``, at most 50 GiB). Unused for local caches.
-
-    Raises:
-        ManifestError: the directory holds no finished cache.
-        StorageError: the URL cannot be read (unknown scheme, missing bucket, credentials).
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *,
-                 disk_cache: DiskCache | None = None) -> None:
-        self.store = Store(path)
-        self.manifest = load_manifest(self.store)
-        self.format = get_format(self.manifest.format)
-        self.disk_cache = (disk_cache or DiskCache()) if self.store.remote else None
-
-    def __len__(self) -> int:
-        return self.manifest.rows
-
-    def shard_path(self, i: int, *, recheck: bool = False) -> Path:
-        """A local path of shard ``i``; a remote shard is downloaded (and verified) first, or
-        taken from the disk cache (``recheck``: hash that copy again)."""
-        info = self.manifest.shards[i]
-        if self.disk_cache is None:
-            return Path(self.store.base) / info.path
-        return self.disk_cache.fetch(self.store, info, recheck=recheck)
-
-    def reader(self, i: int) -> ShardReader:
-        """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
-        manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
-        reader = self.format.open(self.shard_path(i), self.manifest.schema)
-        if self.disk_cache is not None:
-            len(reader)  # open the local copy now: an open file outlives its eviction
-        return reader
-
-    def read_all(self, columns: list[str] | None = None) -> dict[str, Any]:
-        """All rows of ``columns`` (default all), concatenated in shard order, without deleted
-        rows (for small caches and tests; stage 2 reads batches)."""
-        names = columns or list(self.manifest.schema)
-        parts = []
-        for i in range(len(self.manifest.shards)):
-            reader = self.reader(i)
-            info = self.manifest.shards[i]
-            try:
-                parts.append(reader.read(info.live_indices() if info.deleted else None, names))
-            finally:
-                reader.close()
-        out: dict[str, Any] = {}
-        for name in names:
-            values = [p[name] for p in parts]
-            if self.manifest.schema[name].kind in ("ndarray", "scalar"):
-                spec = self.manifest.schema[name]
-                out[name] = (np.concatenate(values) if values
-                             else np.empty((0, *spec.shape), dtype=spec.dtype))
-            else:
-                out[name] = [v for part in values for v in part]
-        return out
-
-    def read_index(self) -> pa.Table:
-        """The per-input index table (see ``INDEX_SCHEMA``)."""
-        return read_table(self.store, self.manifest.index["path"])
-
-    def read_errors(self) -> pa.Table:
-        """The errors table (see ``ERRORS_SCHEMA``)."""
-        return read_table(self.store, self.manifest.errors["path"])

@@ -37,13 +37,23 @@ import re
 import stat
 import time
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterator, Protocol
 
-from precache.formats.base import ShardInfo, short_repr
-from precache.hashing import CHECKSUM_FORM, file_checksum, is_checksum
-from precache.storage import ChecksumError, Store, precache_home, private_dir
+from precache.errors import short_repr
+from precache.storage.folders import precache_home, private_dir
+from precache.storage.hashing import CHECKSUM_FORM, file_checksum, is_checksum
+from precache.storage.store import ChecksumError, Store
 
-__all__ = ["DiskCache", "DEFAULT_MAX_BYTES"]
+__all__ = ["DiskCache", "DEFAULT_MAX_BYTES", "StoredFile"]
+
+
+class StoredFile(Protocol):
+    """What the disk cache needs of a file it keeps: where it is in its store, its size and
+    checksum (a manifest's ``ShardInfo`` is one)."""
+
+    path: str
+    bytes: int
+    checksum: str
 
 DEFAULT_MAX_BYTES = 50 << 30
 """Default bound of the folder: 50 GiB."""
@@ -107,7 +117,7 @@ class DiskCache:
             self.directory = private_dir(self.directory, "disk cache folder", _INSTEAD)
             self._checked = True
 
-    def path_for(self, info: ShardInfo) -> Path:
+    def path_for(self, info: StoredFile) -> Path:
         """Where the local copy of the shard ``info`` lives (whether or not it is there).
 
         Raises:
@@ -126,7 +136,7 @@ class DiskCache:
     def _record_path(path: Path) -> Path:
         return path.with_name(f".{path.name}.ok")
 
-    def _trusted(self, path: Path, info: ShardInfo) -> bool:
+    def _trusted(self, path: Path, info: StoredFile) -> bool:
         """Whether the copy at ``path`` is the one a record vouches for (one ``stat``; the
         record is read once per process)."""
         try:
@@ -147,7 +157,7 @@ class DiskCache:
         self._known[path.name] = identity
         return True
 
-    def _record(self, path: Path, info: ShardInfo) -> None:
+    def _record(self, path: Path, info: StoredFile) -> None:
         """Record that the file at ``path`` (just hashed) is the shard ``info``, once the file
         system's clock has moved past the file's ctime, so that any later change to the file
         shows as a new ctime. Where the clock does not move on in time (a file system with
@@ -190,7 +200,7 @@ class DiskCache:
         with contextlib.suppress(FileNotFoundError):
             os.utime(self._record_path(path))
 
-    def fetch(self, store: Store, info: ShardInfo, *, recheck: bool = False) -> Path:
+    def fetch(self, store: Store, info: StoredFile, *, recheck: bool = False) -> Path:
         """A verified local copy of the shard ``info`` of the cache in ``store``, downloaded if
         it is not here (or changed since it was verified).
 
@@ -241,7 +251,7 @@ class DiskCache:
         return path
 
     @staticmethod
-    def _sound(path: Path, info: ShardInfo) -> bool:
+    def _sound(path: Path, info: StoredFile) -> bool:
         """Whether the file at ``path`` is a regular file of the shard's size and checksum."""
         try:
             st = os.lstat(path)

@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset
 from precache.cache import Cache
 from precache.loading.dataset import CachedDataset
 from precache.loading.loader import make_loader
-from precache.worker import pin_threads, threads_pinned
+from precache.threads import pin_threads, threads_pinned
 
 __all__ = ["bench_loader", "format_report", "default_worker_counts", "measure_cached",
            "measure_per_file", "measure_gather", "Rates", "BATCH_SIZES", "FILE_FORMATS",

@@ -10,31 +10,25 @@ inputs are done and are never computed again.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from precache.cache import CacheLayout
-from precache.formats import ShardInfo, get_format
-from precache.hashing import hash_bytes
-from precache.manifest import atomic_write_bytes
+from precache.cache.formats import ShardInfo, get_format
+from precache.storage.hashing import hash_bytes
 from precache.ops.base import Op, Sample, Skip
 from precache.pipeline import Pipeline, load_pipeline
-from precache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
-from precache.sources import Input, read_bytes
+from precache.cache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
+from precache.build.sources import Input, read_bytes
+from precache.threads import pin_threads
 
-__all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "pin_threads",
-           "threads_pinned", "NOT_STORED", "new_record"]
+__all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "NOT_STORED", "new_record"]
 
 NOT_STORED = ("data", "locator")
 """Sample fields the runner provides to ops but does not store in shards."""
-
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -79,42 +73,6 @@ def new_record(item: Input) -> dict[str, Any]:
     return {"key": item.key, "locator": item.locator, "size": item.size,
             "mtime_ns": item.mtime_ns, "source_hash": "", "status": "ok", "stage": "",
             "error_type": "", "message": "", "shard": -1, "rows": 0}
-
-
-def pin_threads() -> None:
-    """One thread per library per process: on 2 cores, competing pools made MTCNN 2.4-2.8x slower
-    (DESIGN.md). Parallelism comes from worker processes instead."""
-    for var in THREAD_ENV:
-        os.environ[var] = "1"
-    import cv2
-
-    cv2.setNumThreads(1)
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
-
-
-@contextlib.contextmanager
-def threads_pinned() -> Iterator[None]:
-    """``pin_threads`` for the duration of a block, then restore the caller's settings (a run in
-    the caller's process must not leave its torch or OpenCV single-threaded)."""
-    import cv2
-
-    env = {var: os.environ.get(var) for var in THREAD_ENV}
-    cv2_threads = cv2.getNumThreads()
-    torch = sys.modules.get("torch")
-    torch_threads = torch.get_num_threads() if torch is not None else None
-    pin_threads()
-    try:
-        yield
-    finally:
-        for var, value in env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        cv2.setNumThreads(cv2_threads)
-        if torch is not None and torch_threads is not None:
-            torch.set_num_threads(torch_threads)
 
 
 _ops: list[Op] = []
@@ -250,19 +208,10 @@ def _commit(task: Task, rows: list[Sample], schema: dict[str, ColumnSpec] | None
              "shard": result.shard.to_json() if result.shard else None,
              "schema": result.schema, "records": records}
     if config.cache_url is None:
-        write_journal_entry(layout, entry)
+        layout.write_journal_entry(entry)
     else:  # this worker may run on another machine (Ray) than the run's working directory
         result.journal = entry
     return result
-
-
-def write_journal_entry(layout: CacheLayout, entry: dict[str, Any]) -> None:
-    """Record a committed task in the run's journal (``journal/part-NNNNN.json``).
-
-    No fsync: an entry only has to survive a crash of the process; after a power cut the next
-    run checks each journaled shard's size and redoes the task if it does not match."""
-    atomic_write_bytes(layout.journal / f"part-{entry['seq']:05d}.json",
-                       json.dumps(entry).encode(), fsync=False)
 
 
 def run_task(task: Task) -> TaskResult:

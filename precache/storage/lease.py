@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from precache.storage import Store
+from precache.storage.store import Store
 
 __all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S"]
 

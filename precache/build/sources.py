@@ -8,12 +8,15 @@ and a re-run recomputes only the records whose bytes changed.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import pyarrow.fs as pafs
+
 from precache.records import RECORD_SUFFIXES, natural_key, read_record, records_of
-from precache.storage import is_remote, list_remote_inputs, read_remote_bytes
+from precache.storage import Store, explained, is_remote, is_url, read_remote_bytes, resolve
 
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES"]
 
@@ -108,6 +111,71 @@ def _list_local(root: Path, extensions: tuple[str, ...]) -> list[Input]:
             f"input '{root}' is neither a folder, a file ending in {', '.join(extensions)}, "
             f"nor a list of paths ({', '.join(LIST_SUFFIXES)})"
         )
+    return inputs
+
+
+def _mtime_ns(info: pafs.FileInfo) -> int:
+    # Unknown modification time: "now", which never matches the cache's record, so the input's
+    # content hash decides whether it changed.
+    return info.mtime_ns if info.mtime_ns is not None else time.time_ns()
+
+
+def _hidden(key: str) -> bool:
+    return any(part.startswith(".") for part in key.split("/"))
+
+
+def list_remote_inputs(url: str, extensions: tuple[str, ...]) -> list[Input]:
+    """The inputs at the remote ``url``, as ``list_inputs`` finds them at a local path
+    (which then expands record files, sorts, and checks for none and for duplicates): a folder
+    (prefix, searched recursively; hidden names skipped), a single matching file, or a
+    ``.txt``/``.lst`` list of URLs or paths relative to the list's folder. Locators are full
+    URLs; keys are paths relative to ``url``.
+
+    Raises:
+        InputError: the URL does not exist or is a file of another kind.
+        StorageError: unknown scheme, refused credentials, unreachable server.
+    """
+    store = Store(url)
+    with explained(url):
+        info = store.fs.get_file_info(store.base)
+    if info.type == pafs.FileType.NotFound:
+        store.check_bucket()
+        raise InputError(f"input '{url}' does not exist")
+    if info.type == pafs.FileType.Directory:
+        selector = pafs.FileSelector(store.base, recursive=True)
+        with explained(url):
+            found = store.fs.get_file_info(selector)
+        inputs = []
+        for item in found:
+            key = item.path[len(store.base) + 1:]
+            if (item.type == pafs.FileType.File and not _hidden(key)
+                    and key.lower().endswith(extensions)):
+                inputs.append(Input(key, f"{store.url}/{key}", item.size, _mtime_ns(item)))
+    elif info.base_name.lower().endswith(extensions):
+        inputs = [Input(info.base_name, store.url, info.size, _mtime_ns(info))]
+    elif Path(info.base_name).suffix.lower() in LIST_SUFFIXES:
+        inputs = _read_remote_list(store)
+    else:
+        raise InputError(f"input '{url}' is neither a folder, a file ending in "
+                         f"{', '.join(extensions)}, nor a list of paths "
+                         f"({', '.join(LIST_SUFFIXES)})")
+    return inputs
+
+
+def _read_remote_list(store: Store) -> list[Input]:
+    """The entries of a remote list file, each a URL or a path relative to the list's folder."""
+    folder = store.url.rsplit("/", 1)[0]
+    entries = [line.strip() for line in store.read_bytes("").decode("utf-8").splitlines()]
+    inputs = []
+    for entry in (e for e in entries if e and not e.startswith("#")):
+        locator = entry if is_url(entry) else f"{folder}/{entry.lstrip('/')}"
+        fs, path = resolve(locator)
+        with explained(locator):
+            info = fs.get_file_info(path)
+        if info.type == pafs.FileType.File:
+            inputs.append(Input(entry, locator, info.size, _mtime_ns(info)))
+        else:
+            inputs.append(Input(entry, locator, -1, -1))  # listed; reading it fails with the reason
     return inputs
 
 

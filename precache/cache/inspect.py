@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from precache.cache import Cache
-from precache.pipeline import op_fingerprint
+from precache.cache.fingerprint import op_fingerprint
 
 __all__ = ["describe_cache", "format_description"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from precache.cache import Cache
-from precache.hashing import file_checksum
+from precache.storage.hashing import file_checksum
 from precache.storage import ChecksumError
 
 __all__ = ["Problem", "verify"]

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-from precache.formats.base import ShardFormat, ShardReader, contiguous_runs
-from precache.schema import ColumnSpec
+from precache.cache.formats.base import ShardFormat, ShardReader, contiguous_runs
+from precache.cache.schema import ColumnSpec
 
 __all__ = ["HDF5Format", "HDF5ShardReader"]
 

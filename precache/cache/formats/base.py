@@ -1,6 +1,6 @@
 """Shard format interface: write one shard from column arrays, read rows back in batches.
 
-Every format stores the same logical schema (see ``precache.schema``); stage 1 writes through
+Every format stores the same logical schema (see ``precache.cache.schema``); stage 1 writes through
 ``ShardFormat.write`` and stage 2 reads through ``ShardFormat.open``.
 """
 
@@ -15,11 +15,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from precache.hashing import CHECKSUM_FORM, is_checksum
-from precache.schema import ColumnSpec
+from precache.errors import short_repr
+from precache.storage.hashing import CHECKSUM_FORM, is_checksum
+from precache.cache.schema import ColumnSpec
 
 __all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "SHARD_PATH_FORM",
-           "check_count", "short_repr"]
+           "check_count"]
 
 SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
 """How a shard's path in a manifest looks, for messages."""
@@ -33,12 +34,6 @@ def check_count(name: str, value: Any) -> int:
     if type(value) is not int or value < 0:  # not bool, float or str: JSON writes ints as ints
         raise ValueError(f"{name} is {short_repr(value)}, expected a non-negative integer")
     return value
-
-
-def short_repr(value: object) -> str:
-    """``repr`` of a value read from a manifest, cut short, for a one-line message."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import threading
 import traceback
 from typing import Any, Iterator
 
-from precache.worker import Task, TaskResult, WorkerConfig, init_worker, run_task, threads_pinned
+from precache.build.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
+from precache.threads import threads_pinned
 
 __all__ = ["run_tasks", "largest_first", "WorkerDied"]
 

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from precache.formats.base import ShardFormat, ShardReader
-from precache.schema import ColumnSpec
+from precache.cache.formats.base import ShardFormat, ShardReader
+from precache.cache.schema import ColumnSpec
 
 __all__ = ["ParquetFormat", "ParquetShardReader"]
 

@@ -1,0 +1,108 @@
+"""Read access to a finished cache: its manifest, shards (local, or through the bounded local
+``DiskCache`` for a remote cache), index and errors tables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from precache.cache.formats import ShardReader, get_format
+from precache.cache.manifest import Manifest, ManifestError
+from precache.cache.tables import read_table
+from precache.storage import Store
+from precache.storage.disk_cache import DiskCache
+
+__all__ = ["Cache", "load_manifest"]
+
+
+def load_manifest(store: Store) -> Manifest:
+    """The manifest of the cache in ``store``.
+
+    Raises:
+        ManifestError: there is none (not a cache, or a run has not finished), or it is corrupt.
+        StorageError: the bucket is missing or the storage refuses access.
+    """
+    try:
+        data = store.read_bytes("manifest.json")
+    except (FileNotFoundError, NotADirectoryError):
+        store.check_bucket()
+        raise ManifestError(
+            f"'{store.url}' is not a precache cache (no manifest.json); a run that was "
+            "interrupted leaves none: re-run it to finish the cache"
+        ) from None
+    return Manifest.from_bytes(data, store.uri("manifest.json"))
+
+
+class Cache:
+    """Read access to a finished cache (its manifest, shards, index and errors).
+
+    Args:
+        path: the cache directory, or the URL of a remote cache.
+        disk_cache: where a remote cache's shards are kept locally (default: a ``DiskCache``
+            in ``precache_home()/shards``, at most 50 GiB). Unused for local caches.
+
+    Raises:
+        ManifestError: the directory holds no finished cache.
+        StorageError: the URL cannot be read (unknown scheme, missing bucket, credentials).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 disk_cache: DiskCache | None = None) -> None:
+        self.store = Store(path)
+        self.manifest = load_manifest(self.store)
+        self.format = get_format(self.manifest.format)
+        self.disk_cache = (disk_cache or DiskCache()) if self.store.remote else None
+
+    def __len__(self) -> int:
+        return self.manifest.rows
+
+    def shard_path(self, i: int, *, recheck: bool = False) -> Path:
+        """A local path of shard ``i``; a remote shard is downloaded (and verified) first, or
+        taken from the disk cache (``recheck``: hash that copy again)."""
+        info = self.manifest.shards[i]
+        if self.disk_cache is None:
+            return Path(self.store.base) / info.path
+        return self.disk_cache.fetch(self.store, info, recheck=recheck)
+
+    def reader(self, i: int) -> ShardReader:
+        """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
+        manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
+        reader = self.format.open(self.shard_path(i), self.manifest.schema)
+        if self.disk_cache is not None:
+            len(reader)  # open the local copy now: an open file outlives its eviction
+        return reader
+
+    def read_all(self, columns: list[str] | None = None) -> dict[str, Any]:
+        """All rows of ``columns`` (default all), concatenated in shard order, without deleted
+        rows (for small caches and tests; stage 2 reads batches)."""
+        names = columns or list(self.manifest.schema)
+        parts = []
+        for i in range(len(self.manifest.shards)):
+            reader = self.reader(i)
+            info = self.manifest.shards[i]
+            try:
+                parts.append(reader.read(info.live_indices() if info.deleted else None, names))
+            finally:
+                reader.close()
+        out: dict[str, Any] = {}
+        for name in names:
+            values = [p[name] for p in parts]
+            if self.manifest.schema[name].kind in ("ndarray", "scalar"):
+                spec = self.manifest.schema[name]
+                out[name] = (np.concatenate(values) if values
+                             else np.empty((0, *spec.shape), dtype=spec.dtype))
+            else:
+                out[name] = [v for part in values for v in part]
+        return out
+
+    def read_index(self) -> pa.Table:
+        """The per-input index table (see ``INDEX_SCHEMA``)."""
+        return read_table(self.store, self.manifest.index["path"])
+
+    def read_errors(self) -> pa.Table:
+        """The errors table (see ``ERRORS_SCHEMA``)."""
+        return read_table(self.store, self.manifest.errors["path"])

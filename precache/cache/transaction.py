@@ -1,0 +1,365 @@
+"""A run's write of a cache, as one object: check the output, take the lock, load what the cache
+already holds, take committed shards in, drop stale rows, publish, clean up.
+
+The runner plans the tasks and runs the executors; this object is all it does to the cache::
+
+    with WriteTransaction(output, pipeline="faces", fingerprint=fp, overwrite=False) as tx:
+        tx.records                  # key -> record the cache holds for this fingerprint
+        ... run tasks; for each finished one: tx.add(result) ...
+        tx.drop_stale_rows(kept, shard_format, next_seq)
+        manifest = tx.publish(kept, ...)
+
+Order of effects (crash-safe at every step):
+
+1. **Enter**: refuse an output that is a file, or a non-empty folder without precache's manifest
+   or marker; take the lock (``CacheLock``); with ``overwrite``, delete precache's own files
+   (manifest first); write the marker; adopt the journal of an interrupted run with the same
+   fingerprint and delete orphan shards (files precache names, that no manifest or journal
+   entry lists).
+2. **Commit** (workers, one task each): a shard is written under ``.staging/``, fsynced, renamed
+   into ``shards/``, then its journal entry is written. ``add`` journals a remote cache's entries
+   here, where the journal lives.
+3. **Publish**: the index and errors tables of the new generation, then ``manifest.json`` (last,
+   atomically, its folder fsynced): from that moment the new cache is the cache. Then files the
+   new manifest no longer names, the journal and staging are deleted.
+4. **Exit**: the lock is released (also on error; committed shards stay for a re-run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from precache.cache.formats import ShardFormat, ShardInfo
+from precache.cache.layout import MARKER, CacheLayout
+from precache.cache.lock import CacheLock
+from precache.cache.manifest import Manifest, ManifestError
+from precache.cache.reader import load_manifest
+from precache.cache.schema import schema_from_json, schema_to_json
+from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
+from precache.errors import RunError
+from precache.storage.durable import fsync_dir
+from precache.storage.hashing import file_checksum
+from precache.storage.lease import LEASE_FILE
+
+__all__ = ["WriteTransaction", "COMPACT_FRACTION"]
+
+COMPACT_FRACTION = 0.5
+"""A shard more than this fraction deleted is rewritten with only its live rows."""
+
+
+@dataclass
+class _State:
+    """What the cache already holds for the current fingerprint."""
+
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shards: dict[int, ShardInfo] = field(default_factory=dict)
+    schemas: dict[int, dict[str, Any]] = field(default_factory=dict)
+    referenced: set[str] = field(default_factory=set)  # shard files that must not be deleted
+    max_seq: int = 0
+
+
+class WriteTransaction:
+    """One run's write of the cache at ``output`` (a folder or a URL), from lock to publish.
+
+    Args:
+        output: the cache folder, or a URL (``s3://``, ``gs://``, ``file://``): then the lock,
+            journal and staging live in a private local working folder and shards are uploaded.
+        pipeline: the pipeline's name (a cache of another pipeline is refused without
+            ``overwrite``).
+        fingerprint: the run's fingerprint; journal entries and cached records of another one
+            are not reused.
+        overwrite: replace a cache of another pipeline, or a corrupt one.
+        log: where one-line notes go (files left alone in the output).
+
+    Raises (on entering):
+        RunError: the output is a file, a non-empty folder that is not a cache, a cache of
+            another pipeline, or its manifest or index is unreadable.
+        CacheBusyError: another run holds the cache.
+        StorageError: the output URL cannot be written.
+    """
+
+    def __init__(self, output: str | Any, *, pipeline: str, fingerprint: str,
+                 overwrite: bool = False, log: Callable[[str], Any] = print) -> None:
+        self.layout = CacheLayout.for_output(output)  # a URL: work locally, publish to the URL
+        self.pipeline = pipeline
+        self.fingerprint = fingerprint
+        self.overwrite = overwrite
+        self.log = log
+        self.old: Manifest | None = None
+        self._state = _State()
+        self._lock = CacheLock(self.layout)
+
+    # ---- entering: check, lock, prepare, load ------------------------------------------------
+
+    def __enter__(self) -> WriteTransaction:
+        self._check_output()
+        self._lock.acquire()
+        try:
+            layout = self.layout
+            self.old = self._prepare_output()
+            layout.mark()  # before the first shard: from here on the folder is precache's
+            for path in (layout.shards, layout.journal):
+                path.mkdir(parents=True, exist_ok=True)
+            layout.forget_stale_journal(self.old.generation if self.old is not None else 0)
+            layout.clear_local(layout.staging)
+            layout.staging.mkdir(exist_ok=True)
+            foreign = layout.foreign_files()
+            if foreign:
+                more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+                self.log(f"precache: left alone in '{layout.location}', not written by precache: "
+                         + ", ".join(foreign[:5]) + more)
+            self._state = self._load_state()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    @property
+    def location(self) -> str:
+        """The cache as the user named it (path or URL), for messages."""
+        return self.layout.location
+
+    @property
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Key -> index record of every input the cache holds for this fingerprint (published,
+        or committed by an interrupted run)."""
+        return self._state.records
+
+    @property
+    def next_seq(self) -> int:
+        """The first shard number not used by the cache or its journal."""
+        return self._state.max_seq + 1
+
+    def _check_output(self) -> None:
+        """Refuse an output that is a file, or a non-empty folder (or URL prefix) holding no
+        cache; for a URL, check that its bucket exists and the credentials are accepted."""
+        layout = self.layout
+        if layout.url is None:
+            root = layout.root
+            if root.exists() and not root.is_dir():
+                raise RunError(f"output '{root}' exists and is not a directory")
+            names = [p.name for p in root.iterdir()] if root.exists() else []
+        else:
+            layout.store.check_bucket()
+            if layout.store.size("") >= 0:
+                raise RunError(f"output '{layout.url}' is a file, not a folder of a cache")
+            names = layout.store.list(folders=True)
+        # a run that died between taking its lock and writing the marker left only the lock
+        holds_files = any(name not in (".lock", LEASE_FILE) for name in names)
+        if holds_files and not layout.is_cache():
+            raise RunError(f"output '{layout.location}' is not empty and holds no precache cache "
+                           f"(no manifest.json or {MARKER}); choose a new or empty directory")
+
+    def _prepare_output(self) -> Manifest | None:
+        """Check the output may be written; clear precache's files from it with ``overwrite``;
+        return the old manifest."""
+        layout = self.layout
+        store = layout.store  # the published files: in the directory, or at the URL
+        old: Manifest | None = None
+        if store.exists("manifest.json"):
+            try:
+                old = load_manifest(store)
+            except ManifestError as e:
+                if not self.overwrite:
+                    hint = "" if "--overwrite" in str(e) else "; use --overwrite to replace it"
+                    raise RunError(f"{e}{hint}") from None
+        if old is not None and old.pipeline != self.pipeline and not self.overwrite:
+            raise RunError(f"output '{layout.location}' holds a cache of pipeline "
+                           f"'{old.pipeline}', not '{self.pipeline}'; use --overwrite to replace "
+                           "it, or another --output")
+        if self.overwrite:
+            store.delete("manifest.json")  # first: from here on it is not a finished cache
+            for name in store.list("shards"):
+                layout.delete_own("shards", name)
+            for name in store.list():
+                if layout.is_table(name):
+                    layout.delete_own("", name)
+            layout.clear_local(layout.journal)
+            layout.clear_local(layout.staging)
+            old = None
+        return old
+
+    def _load_state(self) -> _State:
+        """Collect records and shards from the old manifest (same fingerprint) and the journal
+        of an interrupted run; delete journal entries of other fingerprints and orphan shards."""
+        layout, old, state = self.layout, self.old, _State()
+        if old is not None:
+            state.referenced |= {Path(s.path).name for s in old.shards}
+            state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
+            if old.fingerprint == self.fingerprint:
+                try:
+                    index = read_table(layout.store, old.index["path"]).to_pylist()
+                except (OSError, pa.ArrowInvalid) as e:
+                    raise RunError(f"the index of cache '{layout.location}' is unreadable ({e}); "
+                                   "use --overwrite to rebuild the cache") from None
+                state.records = {r["key"]: r for r in index}
+                for info in old.shards:
+                    seq = layout.shard_seq(info.path)
+                    state.shards[seq] = info
+                    state.schemas[seq] = schema_to_json(old.schema)
+        for entry_path in sorted(layout.journal.glob("part-*.json")):
+            try:
+                entry = json.loads(entry_path.read_text())
+            except (OSError, json.JSONDecodeError):
+                entry = {}
+            try:
+                shard = ShardInfo.from_json(entry["shard"]) if entry.get("shard") else None
+            except (KeyError, TypeError, ValueError):
+                entry, shard = {}, None  # not an entry precache wrote: dropped below as unusable
+            usable = (entry.get("fingerprint") == self.fingerprint
+                      and entry.get("pipeline") == self.pipeline
+                      and (shard is None or layout.store.size(shard.path) == shard.bytes))
+            if not usable:
+                entry_path.unlink()
+                continue
+            seq = int(entry["seq"])
+            state.max_seq = max(state.max_seq, seq)
+            if shard is not None:
+                state.shards[seq] = shard
+                state.schemas[seq] = entry["schema"]
+                state.referenced.add(Path(shard.path).name)
+            for record in entry["records"]:
+                state.records[record["key"]] = record
+        for shard_name in layout.store.list("shards"):
+            if shard_name not in state.referenced:
+                # an orphan: written by a run that died before journaling it (only precache's
+                # own shard names are deleted; anything else is reported and left alone)
+                layout.delete_own("shards", shard_name)
+        return state
+
+    # ---- during the run ------------------------------------------------------------------------
+
+    def add(self, seq: int, shard: ShardInfo | None, schema: dict[str, Any] | None,
+            journal: dict[str, Any] | None = None) -> None:
+        """Take in task ``seq``'s committed shard (or none: every input skipped or failed).
+        ``journal``: its journal entry, which a worker writing a remote cache hands back (it
+        may run on another machine than the journal)."""
+        if journal is not None:
+            self.layout.write_journal_entry(journal)
+        if shard is not None:
+            self._state.shards[seq] = shard
+            self._state.schemas[seq] = schema or {}
+
+    def drop_stale_rows(self, kept: dict[str, dict[str, Any]], shard_format: ShardFormat,
+                        next_seq: int) -> tuple[int, int]:
+        """Mark rows of changed and deleted inputs as deleted in their shards (a manifest
+        change, no copy); rewrite a shard once most of it is deleted, as shard ``next_seq`` and
+        on. ``kept``: the records of the inputs the new cache holds. Returns (shards touched,
+        rewritten)."""
+        layout, state = self.layout, self._state
+        owned_rows: dict[int, int] = {}
+        for record in kept.values():
+            if record["shard"] >= 0:
+                owned_rows[record["shard"]] = owned_rows.get(record["shard"], 0) + record["rows"]
+        touched = rewritten = 0
+        for seq in sorted(state.shards):
+            info = state.shards[seq]
+            owned = owned_rows.get(seq, 0)
+            if owned in (0, info.live_rows):
+                continue  # untouched, or no live rows left (the manifest will not list it)
+            schema = schema_from_json(state.schemas[seq])
+            reader = shard_format.open(layout.local_shard(info), schema)
+            try:
+                keys = reader.read(columns=["source_key"])["source_key"]
+                live = [i for i, k in enumerate(keys) if kept.get(k, {}).get("shard") == seq]
+                touched += 1
+                if len(live) >= (1 - COMPACT_FRACTION) * info.rows:
+                    dead = sorted(set(range(info.rows)) - set(live))
+                    state.shards[seq] = dataclasses.replace(info, deleted=tuple(dead))
+                    continue
+                columns = reader.read(indices=live)
+            finally:
+                reader.close()
+            state.shards[next_seq] = layout.commit_shard(next_seq, shard_format, columns, schema)
+            state.schemas[next_seq] = state.schemas[seq]
+            for record in kept.values():
+                if record["shard"] == seq:
+                    record["shard"] = next_seq
+            next_seq += 1
+            rewritten += 1
+        return touched, rewritten
+
+    # ---- publishing ------------------------------------------------------------------------------
+
+    def _write_table(self, name: str, rows: list[dict[str, Any]], schema: pa.Schema) -> str:
+        """Write a table under staging, then move it to ``name`` in the cache (rename or
+        upload); returns its checksum."""
+        tmp = self.layout.staging / f"{name}.tmp"
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+        checksum = file_checksum(tmp)
+        self.layout.publish_file(tmp, name)
+        return checksum
+
+    def publish(self, records: dict[str, dict[str, Any]], *, pipeline_ref: str,
+                params: dict[str, Any], ops: list[dict[str, Any]], shard_format: str,
+                source: str) -> Manifest:
+        """Write the index and errors tables, then the manifest; delete what the new manifest
+        no longer uses. ``records``: key -> index record of every input of the new cache.
+
+        Raises:
+            CacheBusyError: a run on another machine took the remote cache's lease.
+            RunError: the shards disagree on their columns.
+        """
+        self._lock.check()  # a remote cache: still this run's lease
+        layout, old, state = self.layout, self.old, self._state
+        ordered = [records[k] for k in sorted(records)]
+        used = sorted({r["shard"] for r in ordered if r["shard"] >= 0})
+        schemas = {json.dumps(state.schemas[seq], sort_keys=True) for seq in used}
+        if len(schemas) > 1:
+            raise RunError(f"shards of '{layout.location}' disagree on their columns "
+                           f"({sorted(schemas)}); "
+                           "the pipeline's ops emit different columns for different inputs")
+        schema = schema_from_json(state.schemas[used[0]]) if used else (
+            old.schema if old is not None and old.fingerprint == self.fingerprint else {})
+        generation = (old.generation if old is not None else 0) + 1
+        index_name = layout.index(generation).name
+        index_sum = self._write_table(index_name, ordered, INDEX_SCHEMA)
+        errors = [{k: r[k] for k in ERRORS_SCHEMA.names} for r in ordered
+                  if r["status"] == "failed"]
+        errors_name = layout.errors(generation).name
+        errors_sum = self._write_table(errors_name, errors, ERRORS_SCHEMA)
+        counts = {status: sum(r["status"] == status for r in ordered)
+                  for status in ("ok", "skipped", "failed")}
+        shards = [state.shards[seq] for seq in used]
+        counts.update(inputs=len(ordered), rows=sum(s.live_rows for s in shards))
+        from precache import __version__
+
+        manifest = Manifest(
+            pipeline=self.pipeline, pipeline_ref=pipeline_ref, params=params, ops=ops,
+            fingerprint=self.fingerprint, format=shard_format, schema=schema, shards=shards,
+            counts=counts, index={"path": index_name, "checksum": index_sum},
+            errors={"path": errors_name, "checksum": errors_sum}, source=source,
+            generation=generation,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            precache_version=__version__,
+        )
+        layout.store.write_bytes("manifest.json", manifest.to_bytes())  # last: now it is the cache
+        if layout.url is None:
+            fsync_dir(layout.root)  # the manifest's rename, too, survives a power cut
+        self._clean_up(keep_shards={Path(s.path).name for s in shards},
+                       keep_tables={index_name, errors_name})
+        return manifest
+
+    def _clean_up(self, keep_shards: set[str], keep_tables: set[str]) -> None:
+        """After publishing: delete precache's shards and tables the manifest does not name,
+        then the journal and staging."""
+        layout = self.layout
+        for name in layout.store.list("shards"):
+            if name not in keep_shards:
+                layout.delete_own("shards", name)
+        for name in layout.store.list():
+            if layout.is_table(name) and name not in keep_tables:
+                layout.delete_own("", name)
+        layout.clear_local(layout.journal)
+        layout.clear_local(layout.staging)
