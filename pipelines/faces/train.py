@@ -28,11 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
-from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
-from precache.training.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
+from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
+from precache.training.distributed import cleanup, init_distributed
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 

@@ -28,13 +28,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
-from precache.training.distributed import cleanup, init_distributed
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
+from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
+from precache.training.distributed import cleanup, init_distributed
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from precache.build.sources import Input, read_bytes
 from precache.cache import CacheLayout
 from precache.cache.formats import ShardInfo, get_format
-from precache.storage.hashing import hash_bytes
+from precache.cache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
 from precache.ops.base import Op, Sample, Skip
 from precache.pipeline import Pipeline, load_pipeline
-from precache.cache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
-from precache.build.sources import Input, read_bytes
+from precache.storage.hashing import hash_bytes
 from precache.threads import pin_threads
 
 __all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "NOT_STORED", "new_record"]

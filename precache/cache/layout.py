@@ -1,10 +1,10 @@
-"""The cache directory: its layout, the single-writer lock, and read access for stage 2 and tools.
+"""A cache's folders and file names, and which files in them precache owns (and may delete).
 
 A cache is a local folder or a URL (``s3://bucket/cache``, ``gs://``, ``file://``; see
 ``precache.storage``). A run writing a remote cache keeps its lock, journal and staging in a local
 working directory and uploads each finished shard straight to ``URL/shards/``; the index, the
 errors table and, last, the manifest follow when it publishes. Stage 2 reads a remote cache's
-shards through a bounded local ``DiskCache``.
+shards through a bounded local ``DiskCache``. The write itself is ``transaction.WriteTransaction``.
 
 Layout::
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from precache.cache import Cache
-from precache.storage.hashing import file_checksum
 from precache.storage import ChecksumError
+from precache.storage.hashing import file_checksum
 
 __all__ = ["Problem", "verify"]
 

@@ -7,11 +7,11 @@ import sys
 
 from precache import __version__
 from precache.build import RunError
-from precache.cache import CacheBusyError
-from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer_cmd, verify_cmd
-from precache.cache.manifest import ManifestError
-from precache.pipeline import PipelineError
 from precache.build.sources import InputError
+from precache.cache import CacheBusyError
+from precache.cache.manifest import ManifestError
+from precache.cli import bench_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer_cmd, verify_cmd
+from precache.pipeline import PipelineError
 from precache.storage import StorageError
 
 __all__ = ["main"]

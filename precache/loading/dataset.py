@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
-from precache.storage.disk_cache import DiskCache
 from precache.cache.formats.base import ShardReader
+from precache.storage.disk_cache import DiskCache
 
 __all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from precache.cache.schema import ragged
 from precache.ops.base import Op, OpResult, Sample
 from precache.records import is_record_key, parse_record, record_name
-from precache.cache.schema import ragged
 
 __all__ = ["DecodeText", "Tokenize", "resolve_tokenizer", "TEXT_EXTENSIONS"]
 

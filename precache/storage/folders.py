@@ -8,7 +8,6 @@ import os
 import stat
 from pathlib import Path
 
-
 from precache.storage.locations import ENDPOINT_VARIABLES, StorageError, UnsafeFolderError
 
 __all__ = ["precache_home", "private_dir", "work_dir_for"]

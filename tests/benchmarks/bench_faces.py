@@ -52,9 +52,9 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import precache  # noqa: E402
 from precache.augment import FaceAugment  # noqa: E402
+from precache.build.sources import list_inputs  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
 from precache.ops import Op, Skip  # noqa: E402
-from precache.build.sources import list_inputs  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # spawn-started workers inherit sys.path, so they find it too
 
 import precache  # noqa: E402
-from precache.pipelines.images.pipeline import pipeline  # noqa: E402
 from precache.build.sources import list_inputs  # noqa: E402
+from precache.pipelines.images.pipeline import pipeline  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
 SHARD_ROWS: int | None = None  # None: precache's default (at least 32 shards for small runs)

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from precache.cache.schema import ColumnSpec
 from precache.errors import short_repr
 from precache.storage.hashing import CHECKSUM_FORM, is_checksum
-from precache.cache.schema import ColumnSpec
 
 __all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "SHARD_PATH_FORM",
            "check_count"]

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from precache import disk_cache
-from precache.storage.disk_cache import DiskCache
 from precache.cache.formats.base import ShardInfo
+from precache.storage import Store, UnsafeFolderError, disk_cache
+from precache.storage.disk_cache import DiskCache
 from precache.storage.hashing import file_checksum
-from precache.storage import Store, UnsafeFolderError
 
 OTHER_USER = 65534  # nobody
 

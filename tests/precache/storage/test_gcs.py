@@ -15,9 +15,9 @@ import pytest
 
 from precache import Cache, verify
 from precache.cache import MARKER
-from precache.storage.lease import LEASE_FILE
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
+from precache.storage.lease import LEASE_FILE
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
 from tests.precache.storage.conftest import GcsServer, build, remote_files, upload_folder
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from precache import Cache, load_pipeline, verify
+from precache.build.sources import list_inputs
+from precache.build.worker import Task, WorkerConfig, init_worker, run_task
 from precache.cache import CacheLayout
-from precache.storage.disk_cache import DiskCache
-from precache.storage.hashing import file_checksum
 from precache.cache.inspect import describe_cache
 from precache.loading import CachedDataset
-from precache.build.sources import list_inputs
 from precache.storage import ChecksumError, StorageError, Store, work_dir_for
-from precache.build.worker import Task, WorkerConfig, init_worker, run_task
+from precache.storage.disk_cache import DiskCache
+from precache.storage.hashing import file_checksum
 from tests.conftest import (COUNTING_PIPELINE, REPO, precache_cli, read_calls, wait_until,
                             write_photos)
 from tests.precache.storage.conftest import build, remote_files

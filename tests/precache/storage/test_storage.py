@@ -8,10 +8,10 @@ import pyarrow.fs as pafs
 import pytest
 
 import precache
-from precache.cache import CacheLayout
 from precache.build.sources import InputError, list_inputs
-from precache.storage import (Store, StorageError, is_remote, local_path,
-                              open_input_file, read_remote_bytes, resolve)
+from precache.cache import CacheLayout
+from precache.storage import (StorageError, Store, is_remote, local_path, open_input_file,
+                              read_remote_bytes, resolve)
 from tests.conftest import write_photos
 from tests.precache.storage.conftest import upload_folder
 

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import precache
-from precache.records import parse_record, read_record, records_of
 from precache.build.sources import list_inputs
+from precache.records import parse_record, read_record, records_of
 
 tokenizers = pytest.importorskip("tokenizers")
 

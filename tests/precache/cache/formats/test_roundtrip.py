@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from precache.cache.formats import FORMATS
-from precache.storage.hashing import file_checksum
 from precache.cache.schema import ColumnSpec, infer_spec, ragged, rows_to_columns
+from precache.storage.hashing import file_checksum
 
 
 def make_rows(n: int) -> list[dict]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from precache.cache.schema import ragged
 from precache.ops import FunctionOp, Op
 from precache.pipeline import Pipeline
-from precache.cache.schema import ragged
 
 
 def byte_ids(sample: dict) -> dict:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from precache.loading import make_loader
 from precache.loading.buckets import LengthBucketSampler
 from precache.training import OneCycleSchedule, optimizer_step
+from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 
 
 class RunsCode:

@@ -12,10 +12,10 @@ import pytest
 import precache
 from precache import Cache, RunError
 from precache.cache import CacheLayout
-from precache.storage import Store
 from precache.cache.verify import verify
+from precache.storage import Store
 from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
-from tests.precache.sync_pipeline import logged_pids
+from tests.precache.build.sync_pipeline import logged_pids
 
 SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 

@@ -31,10 +31,10 @@ import pytest
 
 import precache
 from precache import Cache, RunError, verify
-from precache.cli import main
 from precache.build.executors.ray import MAX_ATTEMPTS
+from precache.cli import main
 from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
-from tests.precache.sync_pipeline import logged_pids
+from tests.precache.build.sync_pipeline import logged_pids
 
 pytestmark = pytest.mark.slow
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,

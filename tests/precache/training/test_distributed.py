@@ -7,15 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precache.training.distributed import (
-    Launch,
-    cleanup,
-    device_for,
-    expand_hostlist,
-    init_distributed,
-    resolve_launch,
-    slurm_default_port,
-)
+from precache.training.distributed import (Launch, cleanup, device_for, expand_hostlist,
+                                           init_distributed, resolve_launch, slurm_default_port)
 
 
 @pytest.mark.parametrize("hostlist, hosts", [

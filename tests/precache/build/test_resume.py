@@ -14,7 +14,7 @@ import pytest
 
 from precache import Cache, verify
 from tests.conftest import REPO, precache_cli, read_calls, wait_until, write_photos
-from tests.precache.sync_pipeline import TIMEOUT_S, logged_pids
+from tests.precache.build.sync_pipeline import TIMEOUT_S, logged_pids
 
 pytestmark = pytest.mark.slow
 SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
