@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 import precache
-from precache import bench
-from precache.cli.bench import _run_epochs, default_worker_counts
+from precache.cli.bench import measure
 from precache.cli import main
+from precache.cli.bench import default_worker_counts
+from precache.cli.bench.measure import _run_epochs
 from precache.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
 from tests.conftest import write_photos
 
@@ -106,7 +107,7 @@ def test_epochs_repeat_until_the_time_and_a_long_epoch_is_cut(monkeypatch):
     counts are exact whatever the machine's load."""
     tick = 2.0 ** -10
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
 
     def epoch(e: int, batches: int = 100):
         for _ in range(batches):

@@ -1,0 +1,46 @@
+"""Stage-2 benchmark: what ``make_loader`` over a cache delivers, against a limit and a baseline.
+
+``precache bench CACHE`` calls ``bench_loader`` and prints ``format_report``. Measured in one run,
+with one thread per library per process (``threads_pinned``; workers pin themselves):
+
+- **cached**: samples/s a training loop receives from ``make_loader(CachedDataset(cache,
+  columns), batch_size, shuffle=True, num_workers=w)`` (default collate, persistent workers),
+  for each ``w``. Epoch 1 (worker start, shards opened and decoded) and the later epochs
+  ("ep2+": samples over seconds of epochs 2..n, i.e. their harmonic mean) are reported apart.
+- **the limit**: a NumPy gather of the same bytes. The fixed-shape columns asked for (``ndarray``
+  and ``scalar``; strings and bytes have no fixed shape) are written once to one ``.npy`` per
+  column in a temporary folder and memory-mapped; each batch is ``np.take(column, indices,
+  axis=0, out=batch, mode="clip")`` per column into preallocated arrays, over a fresh
+  permutation per epoch. Measured at the start and at the end, the faster kept (noise only slows).
+- **per-file**: the classic loader. Every cached ``image`` is written once (untimed) as its own
+  file (JPEG quality 95 by default, or PNG), and a ``Dataset`` whose ``__getitem__`` is
+  ``cv2.imread`` + ``cvtColor`` -> tensor is read by a ``DataLoader`` with the same batch size,
+  workers, shuffle, persistent workers and default collate. It yields images only.
+- **batch sizes**: 64, 256 and 1024 (those not above the row count) and the given batch size, at
+  the recommended number of workers (the best cached ep2+ rate).
+- **worker RSS**: ``VmRSS`` and ``RssAnon`` from ``/proc/PID/status`` of each DataLoader worker
+  after every epoch (pids from the loader's persistent iterator), to show memory stays flat.
+
+Every setting runs epoch 1, then more epochs for about ``seconds``. A long epoch is cut (its rate
+is then over the batches it delivered): a baseline's after ``seconds`` (its rate is steady from
+the first batches on), a cached loader's only after ``CACHED_CUT`` x ``seconds``, since its epoch
+1 front-loads opening (and, for Parquet, decoding) the shards.
+
+On 2 cores, workers can be slower than the main process for cached data: every batch is copied
+through shared memory and the processes share the cores. Measure, don't assume. ``VmRSS`` counts
+the pages of memory-mapped (HDF5) shards a worker has touched, which the page cache shares among
+processes; ``RssAnon`` is the worker's own memory (decoded Parquet columns among it).
+
+Parts: ``measure`` (timing epochs of one loader setting: the cached loader, the per-file
+baseline, the NumPy gather limit), ``compare`` (``bench_loader``: export the baselines' data
+once, run every setting, pick the recommendation) and ``report`` (``format_report``).
+"""
+
+from precache.cli.bench.compare import BATCH_SIZES, FILE_FORMATS, bench_loader
+from precache.cli.bench.measure import (CACHED_CUT, Rates, default_worker_counts, measure_cached,
+                                        measure_gather, measure_per_file)
+from precache.cli.bench.report import format_report
+
+__all__ = ["bench_loader", "format_report", "default_worker_counts", "measure_cached",
+           "measure_per_file", "measure_gather", "Rates", "BATCH_SIZES", "FILE_FORMATS",
+           "CACHED_CUT"]

@@ -1,0 +1,92 @@
+"""``format_report``: the result of ``bench_loader`` as the text ``precache bench`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from precache.cli.bench.measure import CACHED_CUT
+
+__all__ = ["format_report"]
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _ratio(x: float | None, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{suffix}"
+
+
+def _mb(kbs: list[int]) -> str:
+    return ", ".join(f"{k / 1024:,.0f}" for k in kbs)
+
+
+def _epochs(entry: dict[str, Any]) -> str:
+    """Epoch count, with ``*`` when some were cut before their end."""
+    return f"{len(entry['epoch_rates'])}{'*' if entry.get('cut_epochs') else ''}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = [[c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+             for cells in [headers, ["-" * w for w in widths], *rows]]
+    return "\n".join("  ".join(cells).rstrip() for cells in lines)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The human-readable report of a ``bench_loader`` result."""
+    r = result
+    limit, per_file = r["limit"], r["per_file"]
+    out = [f"precache bench {r['cache']}: {r['rows']:,} rows in {r['shards']} {r['format']} "
+           f"shards; columns {', '.join(r['columns'])}",
+           f"batch {r['batch_size']}, shuffle, default collate, persistent workers; epoch 1, then "
+           f"{r['seconds']:g} s of epochs per setting; {r['cores']} cores; torch {r['torch']}; "
+           "one thread per library per process", ""]
+    if limit:
+        out.append(f"limit (np.take of {', '.join(r['limit_columns'])}, {r['bytes_per_sample']:,} "
+                   f"B/sample, from memory-mapped .npy into preallocated batches): "
+                   f"{_rate(limit['samples_per_s'])} samples/s ({limit['mb_per_s']:,.0f} MB/s; "
+                   f"runs {' / '.join(_rate(x) for x in limit['runs'])}, faster kept)")
+    if per_file["skipped"]:
+        out.append(f"per-file loader: skipped ({per_file['skipped']})")
+    else:
+        kind = (f"JPEG q={per_file['quality']}" if per_file["format"] == "jpeg"
+                else "PNG (lossless)")
+        out.append(f"per-file loader: one {kind} file per row, cv2.imread + cvtColor -> tensor "
+                   f"(images only; files written in {r['export_s']:.1f} s, untimed)")
+    files = {p["workers"]: p for p in per_file["results"]}
+    rows = []
+    for c in r["cached"]:
+        p = files.get(c["workers"], {})
+        rows.append([str(c["workers"]), _rate(c["epoch1"]), _rate(c["epoch2"]),
+                     _epochs(c), _ratio(c["fraction_of_limit"]),
+                     _rate(p.get("epoch1")), _rate(p.get("epoch2")),
+                     _epochs(p) if p else "-", _ratio(c["vs_per_file"], "x")])
+    out += ["", "samples/s (ep2+: epochs 2..n together; epoch 1 includes worker start and first "
+            f"reads; *: epochs cut, cached after {CACHED_CUT * r['seconds']:g} s, per-file after "
+            f"{r['seconds']:g} s)", "",
+            _table(["workers", "cached ep1", "ep2+", "epochs", "of limit", "per-file ep1", "ep2+",
+                    "epochs", "cached/per-file"], rows)]
+    rec = r["recommendation"]
+    out += ["", f"batch sizes at workers={rec['num_workers']} (samples/s)", "",
+            _table(["batch", "ep1", "ep2+", "epochs"],
+                   [[str(b["batch_size"]), _rate(b["epoch1"]), _rate(b["epoch2"]),
+                     _epochs(b)] for b in r["batch_sizes"]])]
+    rss = r["worker_rss"]
+    if rss:
+        out += ["", f"worker RSS, workers={rss['workers']} (VmRSS MB per worker; RssAnon, not "
+                "shared with files, in brackets):",
+                f"  after epoch 1: {_mb(rss['after_epoch1_kb'])} "
+                f"[{_mb(rss['anon_after_epoch1_kb'])}]; after epoch 2: "
+                f"{_mb(rss['after_epoch2_kb'])}; after epoch {rss['epochs']} (last): "
+                f"{_mb(rss['after_last_epoch_kb'])} [{_mb(rss['anon_after_last_epoch_kb'])}]"]
+    best = max(r["batch_sizes"], key=lambda b: b["epoch2"])
+    out += ["", f"recommended: num_workers={rec['num_workers']} (most samples/s in epochs 2+), "
+            f"batch_size={rec['batch_size']} ({_rate(best['epoch2'])} samples/s, the most of "
+            f"{', '.join(str(b['batch_size']) for b in r['batch_sizes'])}); differences of a few "
+            "percent are noise", "",
+            "notes:", "- on few cores, worker processes can be slower than the main process for "
+            "cached data (every batch is copied through shared memory and the processes share "
+            "the cores); workers pay off when a transform does per-sample work"]
+    out += [f"- {n}" for n in r["notes"]]
+    return "\n".join(out)
