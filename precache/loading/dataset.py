@@ -5,21 +5,32 @@ opened lazily, in the process that reads them, so DataLoader workers never inher
 (safe under fork and spawn). The index -> (shard, row) map lives in two NumPy arrays, so forked
 workers share it instead of copying Python objects page by page.
 
-HDF5 shards are memory-mapped (the OS page cache holds them once for all workers). A Parquet
-shard must be decoded whole to read any row of it. When the requested columns of the whole cache
-fit ``max_decoded_bytes``, they are decoded once per process into one array per column, so a
-batch is a single NumPy gather (the fastest a batch can be made). Otherwise each shard's reader
-keeps its decoded columns, and the least recently used are dropped past the budget.
+**Mapped columns.** Fixed-shape and scalar columns of Parquet shards written by precache (and
+of HDF5 shards) are read from the memory-mapped shard file: a batch is a gather from the page
+cache, which holds each page once for every worker and rank on the node. Nothing is decoded and
+no process keeps a private copy, so the speed does not depend on how the cache compares with
+this process's memory, and the first batch needs no decoding pass. With a read-ahead hint (the
+``ahead`` indices ``make_loader`` attaches to each batch) the worker asks the kernel to start
+reading the rows of its next batch (``madvise(MADV_WILLNEED)``) before gathering this one, so
+a cold or larger-than-RAM cache reads with many disk requests in flight instead of one page
+fault at a time.
+
+**Decoded columns.** Strings, bytes and ragged columns, and the array columns of older Parquet
+caches (written in several pages or compressed), must be decoded a whole shard at a time. Each
+shard's reader keeps what it decoded, and the least recently used are dropped past
+``max_decoded_bytes``. When such columns of the whole cache fit that budget, a Parquet cache is
+decoded once per process into one array per column (``resident``).
 
 A remote cache (``s3://...``) is read through a local ``DiskCache``: each process downloads a
 shard the first time it needs it (once per machine: processes share the folder), checks it
-against the manifest's checksum, and reads it from local disk from then on, so epoch 2 makes no
-remote reads while the folder holds the cache.
+against the manifest's checksum, and reads (maps) it from local disk from then on, so epoch 2
+makes no remote reads while the folder holds the cache.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,15 +74,21 @@ class CachedDataset:
         cache: the cache directory, or the URL of a remote cache (``s3://bucket/cache``).
         columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
         transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
-        max_decoded_bytes: per process, the decoded Parquet data kept for later batches
-            (default 1 GiB). Requested columns that fit it whole are held as one array each
-            (``resident``); otherwise shards are kept and the least recently used dropped and
-            decoded again when next needed, so a shuffle over far more Parquet data than this
-            decodes a shard per batch: shuffle within windows of shards or use HDF5 then.
+        max_decoded_bytes: per process, the decoded data of columns that cannot be mapped
+            (strings, bytes, ragged, older caches' arrays) kept for later batches (default
+            1 GiB); past it the least recently used shards are dropped and decoded again when
+            next needed. Mapped columns take none of it.
         resident: hold the requested columns whole in this process's memory, so a batch is one
-            gather. Default (None): for Parquet caches whose columns fit ``max_decoded_bytes``.
-            ``True`` also for HDF5 (faster batches, but each process holds its own copy instead
-            of sharing the page cache); ``False`` never.
+            gather. Default (None): only for Parquet caches with requested array columns that
+            cannot be mapped (older caches) and that fit ``max_decoded_bytes``. ``True`` makes
+            every process hold its own copy instead of sharing the page cache; ``False`` never.
+        max_open_shards: shard files this process keeps open (mapped) at once (default 4096;
+            each holds a file descriptor and a memory map; the least recently used are closed).
+        release_mapped_bytes: after gathering this many bytes from mapped columns (default
+            64 MiB), this process unmaps the pages it touched (``madvise(MADV_DONTNEED)``; the
+            page cache keeps them). A page mapped by one process only counts as its private
+            memory (USS), so without this each worker would appear to hold the part of the
+            cache it has read; with it, that stays under this bound. ``None``: never.
         disk_cache_dir: with a remote cache, the local folder its shards are downloaded to
             (default ``precache_home()/shards``, ``$PRECACHE_HOME`` moves it).
         disk_cache_bytes: with a remote cache, the most bytes that folder keeps (default 50 GiB;
@@ -86,6 +103,7 @@ class CachedDataset:
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
                  transform: Callable[[Sample], Sample] | None = None,
                  max_decoded_bytes: int = 1 << 30, resident: bool | None = None,
+                 max_open_shards: int = 4096, release_mapped_bytes: int | None = 64 << 20,
                  disk_cache_dir: str | os.PathLike[str] | None = None,
                  disk_cache_bytes: int | None = None) -> None:
         self.path = os.fspath(cache)
@@ -104,6 +122,10 @@ class CachedDataset:
         self._shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
         self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
         self.max_decoded_bytes = max_decoded_bytes
+        self.max_open_shards = max(1, int(max_open_shards))
+        self.release_mapped_bytes = release_mapped_bytes
+        self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
+        self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
@@ -115,10 +137,14 @@ class CachedDataset:
                              "leave them out of columns or pass resident=False")
 
     def _fits_in_memory(self) -> bool:
-        """Whether this Parquet cache's requested columns fit the budget as whole columns."""
+        """Whether this is a Parquet cache whose requested array columns cannot be mapped (an
+        older cache) and fit the budget as whole columns."""
         manifest = self._cache.manifest
-        if manifest.format != "parquet":
+        if manifest.format != "parquet" or not len(self):
             return False
+        fixed = [n for n in self.columns if manifest.schema[n].kind in ("ndarray", "scalar")]
+        if all(n in self._reader(int(self._shard[0])).mapped() for n in fixed):
+            return False  # mapped: a gather from the shared page cache, no private copy
         total = 0
         for name in self.columns:
             spec = manifest.schema[name]
@@ -175,9 +201,16 @@ class CachedDataset:
             self._decoded_total = 0
         reader = self._readers.get(shard)
         if reader is None:
+            if len(self._readers) >= self.max_open_shards:
+                self._close_oldest()
             reader = self._readers[shard] = self._cache.reader(shard)
         self._readers.move_to_end(shard)
         return reader
+
+    def _close_oldest(self) -> None:
+        oldest, reader = self._readers.popitem(last=False)
+        reader.close()
+        self._decoded_total -= self._decoded.pop(oldest, 0)
 
     def _account(self, shard: int) -> None:
         """Record what the shard's reader keeps; close the least recently used over the budget."""
@@ -185,12 +218,34 @@ class CachedDataset:
         self._decoded_total += kept - self._decoded.get(shard, 0)
         self._decoded[shard] = kept
         while self._decoded_total > self.max_decoded_bytes and len(self._readers) > 1:
-            oldest, reader = next(iter(self._readers.items()))
-            if oldest == shard:
+            if next(iter(self._readers)) == shard:
                 break
-            reader.close()
-            del self._readers[oldest]
-            self._decoded_total -= self._decoded.pop(oldest, 0)
+            self._close_oldest()
+
+    def _groups(self, indices: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``(shard, positions in indices, rows in the shard)`` for each shard the indices
+        touch, rows ascending within a shard (reads move forward through each file)."""
+        if not indices.size:
+            return []
+        shards, rows = self._shard[indices], self._row[indices]
+        grouped = np.lexsort((rows, shards))
+        starts = np.flatnonzero(np.diff(shards[grouped])) + 1
+        return [(int(shards[positions[0]]), positions, rows[positions])
+                for positions in np.split(grouped, starts)]
+
+    def read_ahead(self, indices: Sequence[int]) -> None:
+        """Ask the kernel to start reading the mapped columns of these rows (see the module
+        docstring); returns at once. Indices out of range are ignored.
+
+        Skipped while reads come from memory: when the last batch this process gathered caused
+        no page read from disk (``ru_majflt`` did not grow), the pages are in the page cache and
+        a hint per row would only cost system calls."""
+        if not self._faulting:
+            return
+        indices = np.asarray(indices, dtype=np.int64)
+        indices = indices[(indices >= 0) & (indices < len(self))]
+        for shard, _, rows in self._groups(indices):
+            self._reader(shard).will_need(rows, self.columns)
 
     def read_batch(self, indices: Sequence[int]) -> dict[str, Any]:
         """Columns of the given rows, in the given order: arrays of shape (len(indices), ...)."""
@@ -200,26 +255,44 @@ class CachedDataset:
         if self.resident:
             return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
                     for name, values in self._resident_columns().items()}
-        shards, rows = self._shard[indices], self._row[indices]
-        grouped = np.lexsort((rows, shards))  # by shard, then by row inside it
-        starts = np.flatnonzero(np.diff(shards[grouped])) + 1
+        indices = np.where(indices < 0, indices + len(self), indices)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        schema = self._cache.manifest.schema
         out: dict[str, Any] = {}
-        for positions in np.split(grouped, starts) if indices.size else []:
-            shard = int(shards[positions[0]])
-            part = self._reader(shard).read(rows[positions], self.columns)
+        for name in self.columns:  # fixed-shape columns: filled in place, one copy
+            spec = schema[name]
+            if spec.kind in ("ndarray", "scalar"):
+                out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
+        for shard, positions, rows in self._groups(indices):
+            reader = self._reader(shard)
+            views = reader.mapped()
+            rest = [name for name in self.columns if name not in views]
+            for name, view in views.items():
+                if name in out:
+                    out[name][positions] = view[rows]
+                    self._mapped_read += view.itemsize * view[0].size * len(rows)
+            if not rest:
+                continue
+            part = reader.read(rows, rest)
             self._account(shard)
             for name, values in part.items():
-                if name not in out:
-                    out[name] = (np.empty((len(indices), *values.shape[1:]), dtype=values.dtype)
-                                 if isinstance(values, np.ndarray) else [None] * len(indices))
                 if isinstance(values, np.ndarray):
                     out[name][positions] = values
-                else:
-                    for position, value in zip(positions.tolist(), values):
-                        out[name][position] = value
+                    continue
+                column = out.setdefault(name, [None] * len(indices))
+                for position, value in zip(positions.tolist(), values):
+                    column[position] = value
+        self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
+        if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
+            for reader in self._readers.values():
+                reader.release_pages()
+            self._mapped_read = 0
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        ahead = getattr(indices, "ahead", None)  # a later batch of this worker (make_loader)
+        if ahead is not None:
+            self.read_ahead(ahead)
         batch = self.read_batch(indices)
         if self.transform is None:
             return CachedBatch(batch, len(indices))

@@ -11,7 +11,11 @@ What it sets, and why:
 - ``pin_memory`` when CUDA is present (``tensor.pin_memory()`` fails without it);
 - ``persistent_workers`` (no worker start-up, no re-opened shards each epoch) and seeded workers
   (a generator seeded from ``seed`` and the rank, so augmentations differ across ranks and
-  workers and repeat across runs).
+  workers and repeat across runs);
+- read-ahead: each batch of indices (an ``IndexBatch``) carries ``ahead``, the indices of the
+  batch the same worker gets next (DataLoader hands batches to workers in turn, so that is
+  ``num_workers`` batches later). ``CachedDataset`` asks the kernel to start reading those rows
+  before it gathers this batch, so a cold or larger-than-RAM cache keeps the disk busy.
 
 ``CacheLoader`` counts the samples it has handed out, which is what its ``state_dict()`` records:
 the DataLoader's own position runs ahead of the training loop by the prefetched batches.
@@ -24,13 +28,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from precache.loading.dataset import collate_samples
 from precache.loading.sampler import DistributedShardSampler
 from precache.threads import pin_threads
 
-__all__ = ["make_loader", "CacheLoader", "default_workers"]
+__all__ = ["make_loader", "CacheLoader", "default_workers", "IndexBatch", "ReadAheadBatches"]
 
 
 def default_workers() -> int:
@@ -47,6 +51,42 @@ def _pin_worker_threads(_: int) -> None:
     pin_threads()
 
 
+class IndexBatch(list):
+    """The indices of one batch, plus ``ahead``: those of a later batch the same worker will
+    read (``None`` near the end of the epoch). A list, so every dataset and collate accepts it;
+    it keeps ``ahead`` when pickled to a worker."""
+
+    ahead: list[int] | None = None
+
+
+class ReadAheadBatches(Sampler[list[int]]):
+    """Batches of a ``DistributedShardSampler``'s indices, each with the indices of the batch
+    ``ahead_by`` later attached (``IndexBatch.ahead``).
+
+    Args:
+        sampler: the epoch's indices of this rank (``indices()``).
+        batch_size: indices per batch; the last batch may be smaller.
+        ahead_by: how many batches later the attached batch is (the number of workers: a
+            DataLoader hands batches to its workers in turn; 1 without workers).
+    """
+
+    def __init__(self, sampler: DistributedShardSampler, batch_size: int, ahead_by: int) -> None:
+        self.sampler, self.batch_size, self.ahead_by = sampler, batch_size, max(1, ahead_by)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        mine = self.sampler.indices()
+        size = self.batch_size
+        for start in range(0, len(mine), size):
+            batch = IndexBatch(mine[start:start + size].tolist())
+            later = start + self.ahead_by * size
+            if later < len(mine):
+                batch.ahead = mine[later:later + size].tolist()
+            yield batch
+
+
 class CacheLoader:
     """A DataLoader plus its sampler, counting what the training loop has received.
 
@@ -55,10 +95,11 @@ class CacheLoader:
     the same epoch) yields only the samples not yet seen, split among the ranks it runs on.
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedShardSampler) -> None:
+    def __init__(self, loader: DataLoader, sampler: DistributedShardSampler,
+                 batch_size: int | None = None) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.batch_size = loader.batch_size or 1
+        self.batch_size = batch_size or loader.batch_size or 1
         self._consumed = 0
         self._started: tuple[int, Iterator[Any]] | None = None  # (epoch, its running iterator)
 
@@ -121,6 +162,7 @@ def make_loader(
     persistent_workers: bool | None = None,
     prefetch_factor: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    read_ahead: bool = True,
     multiprocessing_context: Any = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -141,6 +183,8 @@ def make_loader(
         prefetch_factor: batches each worker prepares ahead (torch's default 2).
         collate_fn: default: ``collate_samples``, torch's ``default_collate`` (dicts of stacked
             tensors) that turns an untransformed cached batch into tensors without re-stacking.
+        read_ahead: attach the indices of each worker's next batch to its current one, so
+            the dataset can start reading them (``CachedDataset`` does, for mapped columns).
         multiprocessing_context: worker start method (default torch's: fork on Linux).
         rank, world_size: default from ``torch.distributed`` when initialised, else 0 and 1.
     """
@@ -161,15 +205,16 @@ def make_loader(
             worker_init_fn=_pin_worker_threads,
             multiprocessing_context=multiprocessing_context,
         )
+    batches: Any = ReadAheadBatches(sampler, batch_size, workers if read_ahead else 0)
+    if not read_ahead:
+        batches = BatchSampler(sampler, batch_size, drop_last=False)
     loader = DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        batch_sampler=batches,
         num_workers=workers,
         collate_fn=collate_fn or collate_samples,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        drop_last=False,  # the sampler already gives every rank the same count
         generator=generator,
         **options,
-    )
-    return CacheLoader(loader, sampler)
+    )  # no drop_last: the sampler already gives every rank the same count
+    return CacheLoader(loader, sampler, batch_size)

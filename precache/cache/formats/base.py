@@ -134,6 +134,20 @@ class ShardReader(ABC):
         and ``bytes`` columns as lists.
         """
 
+    def mapped(self) -> dict[str, np.ndarray]:
+        """Columns readable as ``(n, *shape)`` views of the memory-mapped file (no decoding;
+        the pages are the page cache's, shared by every process). Default: none."""
+        return {}
+
+    def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
+        """Hint that ``rows`` of the mapped ``columns`` will be read soon (read-ahead).
+        Default: no hint."""
+
+    def release_pages(self) -> None:
+        """Unmap the mapped pages this process has touched (``madvise(MADV_DONTNEED)``): they
+        stay in the page cache for every process, but no longer count as this process's
+        memory. The next read maps them again (a minor fault). Default: nothing mapped."""
+
     @property
     def nbytes(self) -> int:
         """Bytes of decoded data this reader keeps in memory (0 for memory-mapped readers)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,6 +51,17 @@ class HDF5ShardReader(ShardReader):
                                           shape=dataset.shape, offset=offset)
                                 if mappable else None)
         return self._maps[name]
+
+    def mapped(self) -> dict[str, np.ndarray]:
+        """The fixed-shape and scalar columns HDF5 lets NumPy map (see the class docstring)."""
+        names = [n for n, spec in self.schema.items() if spec.kind in ("ndarray", "scalar")]
+        maps = {name: self._mapped(name) for name in names if name in self._open()}
+        return {name: view for name, view in maps.items() if view is not None}
+
+    def release_pages(self) -> None:
+        for view in getattr(self, "_maps", {}).values():
+            if view is not None and isinstance(view._mmap, mmap.mmap):
+                view._mmap.madvise(mmap.MADV_DONTNEED)
 
     def __len__(self) -> int:
         return int(self._open().attrs["rows"])

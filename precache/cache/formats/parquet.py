@@ -3,11 +3,22 @@
 A fixed-size list of uint8 would be stored element by element (4-byte INT32 values with
 repetition levels, 4x the bytes, slow to decode); fixed-length byte arrays are plain bytes, so a
 batch of rows reads back as one contiguous buffer viewed as an ``(n, *shape)`` NumPy array.
+
+**Ready to map.** Fixed-shape and scalar columns are written required (no null levels),
+uncompressed, PLAIN, and as one data page per shard. Their values are then one contiguous run
+of ``rows x width`` bytes at the end of the column chunk, and a reader maps the file and views
+that run as an ``(n, *shape)`` array: a batch is a gather from the page cache, with no decoding
+and no private copy, and every process on a node shares the same pages. The file is still
+ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets`` finds the runs from the
+footer and each page's header, and maps a column only when the header proves it is that single
+page; columns written otherwise (older caches, other writers) are decoded as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,7 +30,15 @@ import pyarrow.parquet as pq
 from precache.cache.formats.base import ShardFormat, ShardReader
 from precache.cache.schema import ColumnSpec
 
-__all__ = ["ParquetFormat", "ParquetShardReader"]
+__all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
+
+MAPPED_KINDS = ("ndarray", "scalar")
+"""Column kinds written ready to map (fixed width per row)."""
+
+_PAGE = mmap.PAGESIZE
+_ADVISE_MIN_BYTES = 1024
+"""Read-ahead hints are given for columns with rows at least this wide; narrower columns hold
+many rows per page and are read from the page cache after a few batches anyway."""
 
 
 class RaggedColumn:
@@ -36,6 +55,80 @@ class RaggedColumn:
         """One array per requested row (views of ``values``)."""
         starts, stops = self.offsets[indices], self.offsets[np.asarray(indices) + 1]
         return [self.values[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+
+
+def _one_page_rows(rows: int) -> dict[str, int]:
+    """The option that lifts pyarrow's cap on rows per page (20,000), where pyarrow has it;
+    older pyarrow writes larger shards in several pages, which are then decoded, not mapped."""
+    return {"max_rows_per_page": rows}
+
+
+_ONE_PAGE_ROWS = (_one_page_rows if "max_rows_per_page" in inspect.signature(
+    pq.ParquetWriter.__init__).parameters else (lambda rows: {}))
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """An unsigned LEB128 varint at ``data[pos]`` and the position after it."""
+    value = shift = 0
+    while pos < len(data):
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("truncated varint")
+
+
+def _page_sizes(head: bytes) -> tuple[int, int, int]:
+    """Type, uncompressed and compressed size from the start of a Parquet page header (Thrift
+    compact protocol: fields 1-3 of ``PageHeader`` are i32s, each a 0x15 byte and a zigzag
+    varint)."""
+    pos, fields = 0, []
+    for _ in range(3):
+        if pos >= len(head) or head[pos] != 0x15:
+            raise ValueError("not a page header this reader knows")
+        raw, pos = _varint(head, pos + 1)
+        fields.append((raw >> 1) ^ -(raw & 1))
+    return fields[0], fields[1], fields[2]
+
+
+def _width(spec: ColumnSpec) -> int:
+    return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+
+
+def mapped_offsets(file: pq.ParquetFile, data: Any, schema: dict[str, ColumnSpec]) -> dict[str, int]:
+    """Byte offsets in the file of the value runs of the columns that can be mapped.
+
+    A column qualifies when it is a fixed-shape or scalar column in one row group, required,
+    uncompressed, and stored as a single PLAIN data page of exactly ``rows x width`` bytes:
+    the page header at the chunk's start says so (type, both sizes), and the header plus that
+    page fill the whole chunk. ``data``: the file's bytes (a memory map).
+    """
+    meta = file.metadata
+    if meta.num_row_groups != 1:
+        return {}
+    group, rows, found = meta.row_group(0), meta.num_rows, {}
+    for j in range(meta.num_columns):
+        column = group.column(j)
+        spec = schema.get(column.path_in_schema)
+        if spec is None or spec.kind not in MAPPED_KINDS or rows == 0:
+            continue
+        leaf = file.schema.column(j)
+        size = rows * _width(spec)
+        if (leaf.max_definition_level or leaf.max_repetition_level or column.compression != "UNCOMPRESSED"
+                or column.dictionary_page_offset is not None or column.num_values != rows):
+            continue
+        start, total = column.data_page_offset, column.total_compressed_size
+        if start < 0 or start + total > len(data):
+            continue
+        try:
+            kind, unpacked, packed = _page_sizes(bytes(data[start:start + 32]))
+        except ValueError:
+            continue
+        if kind in (0, 3) and unpacked == packed == size and total > size:
+            found[column.path_in_schema] = start + total - size
+    return found
 
 
 def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
@@ -76,20 +169,26 @@ def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
 
 
 class ParquetShardReader(ShardReader):
-    """Memory-mapped Parquet shard reader that keeps the columns it has decoded.
+    """Parquet shard reader: mapped columns are views of the memory-mapped file, the others are
+    decoded once and kept.
 
-    Parquet cannot hand out single rows: reading any row of a column decodes the column's whole
-    row group (the shard). So each column is decoded once, as a NumPy array (a view of the Arrow
-    buffer) or a list, and every later batch from this shard is a NumPy gather. ``nbytes`` says
-    how much is kept, so a dataset can bound it across shards (``CachedDataset`` closes least
-    recently used readers past its budget).
+    A column written ready to map (see the module docstring) is an ``(n, *shape)`` view of the
+    file's pages: reading rows is a NumPy gather, and the pages stay in the page cache, shared
+    by every process, not in this one's memory. Any other column must be decoded whole to read
+    a row of it (Parquet has no row access inside a page), so it is decoded once, as a NumPy
+    array (a view of the Arrow buffer) or a list, and kept. ``nbytes`` says how much is kept,
+    so a dataset can bound it across shards.
     """
 
     _file: pq.ParquetFile | None = None
+    _map: mmap.mmap | None = None
+    _rows: int | None = None
 
     def __init__(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> None:
         super().__init__(path, schema)
         self._decoded: dict[str, Any] = {}
+        self._views: dict[str, np.ndarray] | None = None
+        self._offsets: dict[str, int] = {}
         self._nbytes = 0
 
     def _open(self) -> pq.ParquetFile:
@@ -100,11 +199,61 @@ class ParquetShardReader(ShardReader):
         return self._file
 
     def __len__(self) -> int:
-        return self._open().metadata.num_rows
+        if self._rows is None:
+            self._rows = self._open().metadata.num_rows
+        return self._rows
+
+    def _release_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def mapped(self) -> dict[str, np.ndarray]:
+        """The columns that are read from the mapped file, as ``(n, *shape)`` read-only views."""
+        if self._views is None:
+            file = self._open()
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
+            self._offsets = mapped_offsets(file, self._map, self.schema) if self._map else {}
+            rows = self._rows = file.metadata.num_rows
+            self._views = {}
+            if self._offsets and all(n in self._offsets for n in self.schema
+                                     if self.schema[n].kind in MAPPED_KINDS):
+                self._release_file()  # the map is enough until a decoded column is asked for
+            for name, offset in self._offsets.items():
+                spec = self.schema[name]
+                self._views[name] = np.frombuffer(self._map, dtype=np.dtype(spec.dtype),
+                                                  count=rows * math.prod(spec.shape),
+                                                  offset=offset).reshape(rows, *spec.shape)
+        return self._views
+
+    def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
+        """Ask the kernel to start reading these rows of the mapped columns into the page cache
+        (``madvise(MADV_WILLNEED)``: it returns at once; the reads run in the background), so a
+        later batch that gathers them does not wait on the disk."""
+        if self._map is None or not len(rows):
+            return
+        for name in columns:
+            offset = self._offsets.get(name)
+            if offset is None:
+                continue
+            width = _width(self.schema[name])
+            if width < _ADVISE_MIN_BYTES:
+                continue
+            for row in np.unique(rows).tolist():
+                begin = offset + row * width
+                aligned = begin - begin % _PAGE
+                self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + width - aligned)
+
+    def release_pages(self) -> None:
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def _columns(self, names: list[str]) -> dict[str, Any]:
-        """The named columns, decoding (once) those not decoded yet."""
-        missing = [n for n in names if n not in self._decoded]
+        """The named columns: mapped views, or decoded (once) arrays and lists."""
+        views = self.mapped()
+        missing = [n for n in names if n not in views and n not in self._decoded]
         if missing:
             table = self._open().read(columns=missing, use_threads=False)  # see _open
             for name in missing:
@@ -113,7 +262,7 @@ class ParquetShardReader(ShardReader):
                     values = np.array(values, dtype=str)
                 self._decoded[name] = values
             self._nbytes += table.nbytes
-        return {name: self._decoded[name] for name in names}
+        return {name: views[name] if name in views else self._decoded[name] for name in names}
 
     def read(
         self, indices: Sequence[int] | np.ndarray | None = None, columns: Sequence[str] | None = None
@@ -136,21 +285,22 @@ class ParquetShardReader(ShardReader):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of decoded columns this reader keeps."""
+        """Bytes of decoded columns this reader keeps (mapped columns are the page cache's)."""
         return self._nbytes
 
     def close(self) -> None:
-        self._decoded, self._nbytes = {}, 0
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._decoded, self._nbytes, self._views, self._offsets = {}, 0, None, {}
+        self._map = None  # unmapped once no gathered view refers to it
+        self._release_file()
 
 
 class ParquetFormat(ShardFormat):
-    """Parquet with no dictionary encoding, statistics or compression on large binary columns.
+    """Parquet whose fixed-shape and scalar columns are ready to map (see the module docstring):
+    required, uncompressed, PLAIN, no statistics for arrays, one page per column per shard.
 
-    pyarrow's defaults made writes of ~50 KB array values about 8x slower (see DESIGN.md); small
-    columns (keys, numbers) keep zstd and statistics.
+    pyarrow's defaults (dictionary encoding, statistics, 1 MB pages) also made writes of ~50 KB
+    array values about 8x slower (see DESIGN.md). Strings and ragged columns keep zstd and are
+    decoded when read.
     """
 
     name = "parquet"
@@ -158,17 +308,20 @@ class ParquetFormat(ShardFormat):
 
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
-        table = pa.table(arrays)
-        small = [n for n, s in schema.items() if s.kind in ("scalar", "str")]
-        packed = small + [n for n, s in schema.items() if s.kind == "ragged"]  # token ids compress
-        compression = {n: ("zstd" if n in packed else "none") for n in schema}
+        fields = [pa.field(name, array.type, nullable=schema[name].kind not in MAPPED_KINDS)
+                  for name, array in arrays.items()]
+        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(fields))
+        packed = [n for n, s in schema.items() if s.kind in ("str", "ragged")]  # these compress
+        rows = max(1, len(table))
         pq.write_table(
             table,
             path,
-            compression=compression,
+            compression={n: ("zstd" if n in packed else "none") for n in schema},
             use_dictionary=[n for n, s in schema.items() if s.kind == "str"],
-            write_statistics=small,
-            row_group_size=max(1, len(table)),
+            write_statistics=[n for n, s in schema.items() if s.kind in ("scalar", "str")],
+            row_group_size=rows,
+            data_page_size=1 << 62,  # one page per column: its values are one run in the file
+            **_ONE_PAGE_ROWS(rows),
         )
 
     def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:

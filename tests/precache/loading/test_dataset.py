@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 import precache
+from precache.cache.formats.parquet import ParquetFormat
+from precache.cache.schema import ColumnSpec
 from precache.loading import CachedDataset
 from tests.conftest import write_photos
 
@@ -93,19 +97,57 @@ def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(tmp_path):
     reader.close()
 
 
-def test_parquet_columns_that_fit_are_held_whole_and_read_the_same(cache):
+def test_mapped_columns_are_not_held_whole_unless_asked_and_read_the_same(cache):
     columns = ["key", "image", "orig_height"]
-    whole = CachedDataset(cache / "cache", columns=columns)
+    default = CachedDataset(cache / "cache", columns=columns)
     by_shard = CachedDataset(cache / "cache", columns=columns, max_decoded_bytes=1)
-    fmt = precache.Cache(cache / "cache").manifest.format
-    assert whole.resident is (fmt == "parquet") and by_shard.resident is False
-    if fmt == "hdf5":
-        whole = CachedDataset(cache / "cache", columns=columns, resident=True)  # asked for
+    whole = CachedDataset(cache / "cache", columns=columns, resident=True)  # asked for
+    assert default.resident is False and by_shard.resident is False and whole.resident is True
     order = [5, 39, 0, 17, -1, 5]
-    a, b = whole.read_batch(order), by_shard.read_batch(order)
-    assert a["key"] == b["key"] and isinstance(a["key"][0], str)
+    a, b, c = whole.read_batch(order), by_shard.read_batch(order), default.read_batch(order)
+    assert a["key"] == b["key"] == c["key"] and isinstance(a["key"][0], str)
     for name in ("image", "orig_height"):
         np.testing.assert_array_equal(a[name], b[name])
+        np.testing.assert_array_equal(a[name], c[name])
+
+
+def test_parquet_array_columns_are_mapped_not_decoded(cache):
+    cache_ = precache.Cache(cache / "cache")
+    if cache_.manifest.format != "parquet":
+        pytest.skip("HDF5 maps its own way (test_hdf5_maps_fixed_shape_columns...)")
+    reader = cache_.reader(0)
+    views = reader.mapped()
+    assert sorted(views) == sorted(n for n, s in cache_.manifest.schema.items()
+                                   if s.kind in ("ndarray", "scalar"))
+    assert not views["image"].flags.owndata and not views["image"].flags.writeable
+    rows = [3, 0, 3]
+    got = reader.read(rows, ["image", "orig_height"])
+    assert reader.nbytes == 0  # nothing decoded
+    table = pq.read_table(cache_.shard_path(0))  # still plain Parquet to any reader
+    expected = np.frombuffer(table.column("image").combine_chunks().buffers()[1], np.uint8)
+    expected = expected[:len(table) * 16 * 16 * 3].reshape(len(table), 16, 16, 3)
+    np.testing.assert_array_equal(got["image"], expected[rows])
+    np.testing.assert_array_equal(got["orig_height"],
+                                  table.column("orig_height").to_numpy()[rows])
+    reader.close()
+
+
+def test_parquet_written_in_several_pages_is_decoded_instead_and_reads_the_same(tmp_path):
+    spec = {"image": ColumnSpec("ndarray", "uint8", (8, 8, 3)), "label": ColumnSpec("scalar", "int64")}
+    images = np.random.default_rng(0).integers(0, 255, (50, 8, 8, 3), dtype=np.uint8)
+    ParquetFormat().write(tmp_path / "mapped.parquet", {"image": images, "label": np.arange(50)}, spec)
+    table = pq.read_table(tmp_path / "mapped.parquet")  # the same data, pyarrow's defaults:
+    pq.write_table(table.cast(pa.schema([pa.field(f.name, f.type) for f in table.schema])),
+                   tmp_path / "paged.parquet", data_page_size=256, compression="snappy")
+    mapped = ParquetFormat().open(tmp_path / "mapped.parquet", spec)
+    paged = ParquetFormat().open(tmp_path / "paged.parquet", spec)
+    assert sorted(mapped.mapped()) == ["image", "label"] and paged.mapped() == {}
+    rows = [49, 0, 7, 7, 31]
+    a, b = mapped.read(rows), paged.read(rows)
+    np.testing.assert_array_equal(a["image"], images[rows])
+    np.testing.assert_array_equal(b["image"], images[rows])
+    np.testing.assert_array_equal(b["label"], np.array(rows))
+    assert paged.nbytes > 0 and mapped.nbytes == 0
 
 
 def test_torchs_own_distributed_sampler_works_too(cache):

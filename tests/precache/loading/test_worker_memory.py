@@ -7,7 +7,7 @@ known points of the epoch, whatever the main process was doing. Samples come in 
 the copies of per-row objects build up over the epoch (shuffled, the first batches would already
 touch nearly every page); both caches are read in the same number of batches, so what a batch
 costs is the same for both, and the growth is counted from the end of the first batches (which
-decode the whole column and set up the transfer to the main process: once per worker).
+open the shards and set up the transfer to the main process: once per worker).
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ PIPELINE = str(Path(__file__).with_name("synthetic_pipeline.py"))
 
 
 def private_mb(pid: int) -> float:
-    """Memory this process does not share (copy-on-write copies included), from smaps_rollup."""
+    """Memory this process wrote and shares with nobody (copy-on-write copies, its heap), from
+    smaps_rollup: ``Private_Dirty``. Not ``Private_Clean``: that counts the pages of the
+    memory-mapped shards this process alone has touched, which the page cache holds once for
+    every process, and which grow with how much of the cache one worker has read."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
                   .splitlines()[1:])
-    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1024
+    return int(fields["Private_Dirty"].split()[0]) / 1024
 
 
 def build(root: Path, rows: int) -> Path:

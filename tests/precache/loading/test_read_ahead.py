@@ -1,0 +1,115 @@
+"""Read-ahead and mapped pages: each batch carries the indices of the worker's next batch, the
+dataset asks the kernel to read them, and a process can unmap what it touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import precache
+from precache.loading import CachedDataset, make_loader
+from precache.loading.loader import IndexBatch, ReadAheadBatches
+from precache.loading.sampler import DistributedShardSampler
+from tests.conftest import write_photos
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ahead")
+    write_photos(root / "photos", 48)
+    precache.run("images", root / "photos", root / "cache", params={"size": 64}, workers=1,
+                 shard_rows=16, progress=False, log=lambda *a, **k: None)
+    return root / "cache"
+
+
+def test_each_batch_carries_the_batch_ahead_by_the_worker_count():
+    sampler = DistributedShardSampler(range(10), shuffle=True, seed=3)
+    batches = list(ReadAheadBatches(sampler, batch_size=3, ahead_by=2))
+    assert [i for b in batches for i in b] == sampler.indices().tolist()
+    assert len(batches) == len(ReadAheadBatches(sampler, 3, 2)) == 4
+    assert all(isinstance(b, IndexBatch) for b in batches)
+    assert batches[0].ahead == batches[2] and batches[1].ahead == batches[3]
+    assert batches[2].ahead is None and batches[3].ahead is None
+
+
+class Recording(CachedDataset):
+    """Returns, with each batch, the worker's pid and the read-ahead indices it was given."""
+
+    def __getitems__(self, indices):
+        return [{"pid": os.getpid(), "indices": list(indices),
+                 "ahead": list(getattr(indices, "ahead", None) or [])}]
+
+
+def test_a_worker_is_told_the_indices_of_its_own_next_batch(cache):
+    loader = make_loader(Recording(cache, columns=["image"]), 4, num_workers=2, seed=1,
+                         collate_fn=lambda batch: batch[0], multiprocessing_context="fork")
+    loader.set_epoch(0)
+    by_worker: dict[int, list[dict]] = {}
+    for got in loader:
+        by_worker.setdefault(got["pid"], []).append(got)
+    assert len(by_worker) == 2
+    for batches in by_worker.values():
+        assert len(batches) == 6  # 48 rows, batches of 4, 2 workers in turn
+        for current, following in zip(batches, batches[1:]):
+            assert current["ahead"] == following["indices"]
+        assert batches[-1]["ahead"] == []
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache, from util-linux's fincore."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "PAGES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
+def test_read_ahead_brings_the_rows_into_the_page_cache(cache):
+    dataset = CachedDataset(cache, columns=["image"])
+    shard = precache.Cache(cache).shard_path(0)
+    reader = dataset._reader(0)
+    assert "image" in reader.mapped()
+    os.sync()
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    column_pages = 16 * 64 * 64 * 3 // os.sysconf("SC_PAGE_SIZE")  # 16 rows of 64x64x3
+    assert _resident_pages(shard) < column_pages  # dropped (pages this process maps may stay)
+    dataset.read_ahead(list(range(16)))  # every row of shard 0
+    deadline = time.monotonic() + 30
+    while _resident_pages(shard) < column_pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(shard) >= column_pages
+
+
+def _mapped_kb(paths: set[str]) -> int:
+    """Resident kB of this process's mappings of ``paths`` (from /proc/self/smaps)."""
+    total, counting = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            counting = len(fields) >= 6 and fields[5] in paths
+        elif counting and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_released_pages_leave_this_process_but_reads_stay_right(cache):
+    everything = precache.Cache(cache).read_all(["image"])["image"]
+    paths = {str(precache.Cache(cache).shard_path(i)) for i in range(3)}
+    kept = CachedDataset(cache, columns=["image"], release_mapped_bytes=None)
+    order = np.random.default_rng(0).permutation(48)
+    np.testing.assert_array_equal(kept.read_batch(order)["image"], everything[order])
+    assert _mapped_kb(paths) >= 48 * 12  # 48 images of 12 kB mapped in this process
+    kept.close()
+    released = CachedDataset(cache, columns=["image"], release_mapped_bytes=1)
+    for _ in range(2):
+        np.testing.assert_array_equal(released.read_batch(order)["image"], everything[order])
+        assert _mapped_kb(paths) < 48 * 12 / 4
