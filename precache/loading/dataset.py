@@ -265,7 +265,11 @@ class CachedDataset:
             spec = schema[name]
             if spec.kind in ("ndarray", "scalar"):
                 out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
-        for shard, positions, rows in self._groups(indices):
+        groups = self._groups(indices)
+        if self._faulting:  # ask for every row at once: the disk serves them in parallel
+            for shard, _, rows in groups:
+                self._reader(shard).will_need(rows, self.columns)
+        for shard, positions, rows in groups:
             reader = self._reader(shard)
             views = reader.mapped()
             rest = [name for name in self.columns if name not in views]

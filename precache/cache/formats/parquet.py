@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from precache.cache.formats.base import ShardFormat, ShardReader
+from precache.cache.formats.base import ShardFormat, ShardReader, contiguous_runs
 from precache.cache.schema import ColumnSpec
 
 __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
@@ -36,9 +36,6 @@ MAPPED_KINDS = ("ndarray", "scalar")
 """Column kinds written ready to map (fixed width per row)."""
 
 _PAGE = mmap.PAGESIZE
-_ADVISE_MIN_BYTES = 1024
-"""Read-ahead hints are given for columns with rows at least this wide; narrower columns hold
-many rows per page and are read from the page cache after a few batches anyway."""
 
 
 class RaggedColumn:
@@ -215,6 +212,11 @@ class ParquetShardReader(ShardReader):
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
+            if self._map is not None:
+                # No read-around on a page fault: the kernel would read up to read_ahead_kb
+                # (often MBs) around each randomly read row. Reads ask for what they need
+                # (will_need) instead.
+                self._map.madvise(mmap.MADV_RANDOM)
             self._offsets = mapped_offsets(file, self._map, self.schema) if self._map else {}
             rows = self._rows = file.metadata.num_rows
             self._views = {}
@@ -234,17 +236,16 @@ class ParquetShardReader(ShardReader):
         later batch that gathers them does not wait on the disk."""
         if self._map is None or not len(rows):
             return
+        runs = contiguous_runs(np.unique(rows))
         for name in columns:
             offset = self._offsets.get(name)
             if offset is None:
                 continue
             width = _width(self.schema[name])
-            if width < _ADVISE_MIN_BYTES:
-                continue
-            for row in np.unique(rows).tolist():
-                begin = offset + row * width
+            for first, stop in runs:
+                begin = offset + first * width
                 aligned = begin - begin % _PAGE
-                self._map.madvise(mmap.MADV_WILLNEED, aligned, begin + width - aligned)
+                self._map.madvise(mmap.MADV_WILLNEED, aligned, offset + stop * width - aligned)
 
     def release_pages(self) -> None:
         if self._map is not None:
