@@ -27,7 +27,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedShardSampler"]
+__all__ = ["DistributedShardSampler", "shuffle_quality"]
 
 _CHUNK = 8192  # indices turned into Python ints at a time
 
@@ -185,3 +185,37 @@ class DistributedShardSampler(Sampler[int]):
                              f"{state['offset']} (size {self.size})")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._resumed_epoch = self.epoch
+
+
+def shuffle_quality(order: np.ndarray, shard_ids: np.ndarray, batch_size: int) -> dict[str, float]:
+    """How well an epoch order mixes shards, so locality (``shard_window``) is chosen knowingly.
+
+    Args:
+        order: the epoch's indices (``DistributedShardSampler.epoch_order()``).
+        shard_ids: the shard of every index (``CachedDataset.shard_ids``).
+        batch_size: samples per batch.
+
+    Returns:
+        ``batch_entropy``: the mean Shannon entropy (bits) of the shards in a batch, over the
+        same for a full random order of the same indices (seeded, so repeatable): 1.0 mixes as
+        a full shuffle does, 0.0 means every batch comes from one shard. ``same_shard``: the
+        fraction of neighbouring samples in the order from the same shard (a full shuffle of S
+        equal shards gives about 1/S; sequential reading about 1).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    order = np.asarray(order, dtype=np.int64)
+    shard_ids = np.asarray(shard_ids)
+
+    def mean_entropy(indices: np.ndarray) -> float:
+        entropies = []
+        for start in range(0, len(indices), batch_size):
+            _, counts = np.unique(shard_ids[indices[start:start + batch_size]], return_counts=True)
+            p = counts / counts.sum()
+            entropies.append(float(-(p * np.log2(p)).sum()))
+        return float(np.mean(entropies)) if entropies else 0.0
+
+    full = mean_entropy(np.random.default_rng(0).permutation(order))
+    neighbours = shard_ids[order]
+    same = float(np.mean(neighbours[1:] == neighbours[:-1])) if len(order) > 1 else 1.0
+    return {"batch_entropy": mean_entropy(order) / full if full > 0 else 1.0, "same_shard": same}

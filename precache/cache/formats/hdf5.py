@@ -47,10 +47,27 @@ class HDF5ShardReader(ShardReader):
             offset = dataset.id.get_offset()
             mappable = (offset is not None and dataset.chunks is None and dataset.compression is None
                         and dataset.dtype.kind in "biuf" and dataset.size > 0)
-            self._maps[name] = (np.memmap(self.path, mode="r", dtype=dataset.dtype,
-                                          shape=dataset.shape, offset=offset)
-                                if mappable else None)
+            view = (np.memmap(self.path, mode="r", dtype=dataset.dtype, shape=dataset.shape,
+                              offset=offset) if mappable else None)
+            if view is not None:
+                view._mmap.madvise(mmap.MADV_RANDOM)  # no read-around (see will_need)
+            self._maps[name] = view
         return self._maps[name]
+
+    def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
+        """Ask the kernel to start reading these rows of the mapped columns (see ``mapped``)."""
+        runs = contiguous_runs(np.unique(rows)) if len(rows) else []
+        views = self.mapped()
+        for name in columns:
+            view = views.get(name)
+            if view is None:
+                continue
+            width = view.itemsize * (view.size // max(1, len(view)))
+            start = view.offset % mmap.ALLOCATIONGRANULARITY  # where the data begins in the map
+            for first, stop in runs:
+                begin = start + first * width
+                aligned = begin - begin % mmap.PAGESIZE
+                view._mmap.madvise(mmap.MADV_WILLNEED, aligned, start + stop * width - aligned)
 
     def mapped(self) -> dict[str, np.ndarray]:
         """The fixed-shape and scalar columns HDF5 lets NumPy map (see the class docstring)."""

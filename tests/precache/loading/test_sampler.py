@@ -252,3 +252,25 @@ def test_large_epochs_come_out_whole_and_in_order():
     s = DistributedShardSampler(range(100_003), rank=1, world_size=2)
     out = list(s)
     assert len(out) == len(s) == 50_002 and out == s.indices().tolist()
+
+
+def test_shuffle_quality_tells_a_full_shuffle_from_windows_and_sequential_reads():
+    from precache.loading.sampler import shuffle_quality
+
+    shard_ids = np.repeat(np.arange(4), 8)  # 4 shards of 8 rows
+
+    class Shards:
+        def __len__(self):
+            return 32
+
+        shard_ids = np.repeat(np.arange(4), 8)
+
+    sequential = shuffle_quality(np.arange(32), shard_ids, batch_size=8)
+    assert sequential == {"batch_entropy": 0.0, "same_shard": 28 / 31}  # one shard per batch
+    full = shuffle_quality(DistributedShardSampler(Shards(), seed=1).epoch_order(), shard_ids, 8)
+    window = shuffle_quality(DistributedShardSampler(Shards(), seed=1, shard_window=1)
+                             .epoch_order(), shard_ids, 8)
+    assert window["batch_entropy"] == 0.0 and window["same_shard"] == 28 / 31
+    assert full["batch_entropy"] > 0.8 and full["same_shard"] < 0.5
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        shuffle_quality(np.arange(32), shard_ids, batch_size=0)
