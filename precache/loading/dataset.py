@@ -41,11 +41,23 @@ from torch.utils.data import default_collate
 
 from precache.cache import Cache
 from precache.cache.formats.base import ShardReader
+from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
 __all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
 
 Sample = dict[str, Any]
+
+
+def _available_memory() -> int:
+    """Bytes the kernel says are available for new data (``MemAvailable``; 0 if unknown)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class CachedBatch(list):
@@ -128,6 +140,13 @@ class CachedDataset:
         self.release_mapped_bytes = release_mapped_bytes
         self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
         self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
+        # A cache that fits in memory is read into the page cache whole shard by whole shard
+        # (large sequential reads, ShardWarmer) besides the rows a batch needs; a larger one
+        # only row by row.
+        self._warm_whole_shards = sum(s.bytes for s in self._cache.manifest.shards) <= (
+            _available_memory() // 2)
+        self._warmer: ShardWarmer | None = None
+        self._warmer_pid = 0
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
@@ -195,7 +214,13 @@ class CachedDataset:
         state["_readers"], state["_decoded"] = OrderedDict(), {}  # open files stay in this process
         state["_decoded_total"] = 0
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
+        state["_warmer"] = None  # a thread stays in its process
         return state
+
+    def _shard_warmer(self) -> ShardWarmer:
+        if self._warmer is None or self._warmer_pid != os.getpid():  # none, or the parent's
+            self._warmer, self._warmer_pid = ShardWarmer(), os.getpid()
+        return self._warmer
 
     def _reader(self, shard: int) -> ShardReader:
         if self._pid != os.getpid():  # a forked worker: forget the parent's handles
@@ -249,8 +274,11 @@ class CachedDataset:
         for shard, _, rows in self._groups(indices):
             self._reader(shard).will_need(rows, self.columns)
 
-    def read_batch(self, indices: Sequence[int]) -> dict[str, Any]:
-        """Columns of the given rows, in the given order: arrays of shape (len(indices), ...)."""
+    def read_batch(self, indices: Sequence[int],
+                   ahead: Sequence[int] | None = None) -> dict[str, Any]:
+        """Columns of the given rows, in the given order: arrays of shape (len(indices), ...).
+        ``ahead``: rows a later batch will read, to start reading now (``read_ahead``), after
+        this batch's own rows were asked for."""
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
@@ -269,6 +297,8 @@ class CachedDataset:
         if self._faulting:  # ask for every row at once: the disk serves them in parallel
             for shard, _, rows in groups:
                 self._reader(shard).will_need(rows, self.columns)
+        if ahead is not None:
+            self.read_ahead(ahead)
         for shard, positions, rows in groups:
             reader = self._reader(shard)
             views = reader.mapped()
@@ -289,6 +319,10 @@ class CachedDataset:
                 for position, value in zip(positions.tolist(), values):
                     column[position] = value
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
+        if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
+            warmer = self._shard_warmer()
+            for shard, _, _ in groups:
+                warmer.warm(self._reader(shard).path)
         if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
             for reader in self._readers.values():
                 reader.release_pages()
@@ -296,10 +330,8 @@ class CachedDataset:
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        ahead = getattr(indices, "ahead", None)  # a later batch of this worker (make_loader)
-        if ahead is not None:
-            self.read_ahead(ahead)
-        batch = self.read_batch(indices)
+        # a later batch of this worker (make_loader's IndexBatch)
+        batch = self.read_batch(indices, ahead=getattr(indices, "ahead", None))
         if self.transform is None:
             return CachedBatch(batch, len(indices))
         samples = [{name: values[i] for name, values in batch.items()} for i in range(len(indices))]
@@ -309,6 +341,9 @@ class CachedDataset:
         return self.__getitems__([index])[0]
 
     def close(self) -> None:
+        if self._warmer is not None and self._warmer_pid == os.getpid():
+            self._warmer.close()
+        self._warmer = None
         for reader in self._readers.values():
             reader.close()
         self._readers, self._decoded, self._decoded_total = OrderedDict(), {}, 0
