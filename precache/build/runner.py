@@ -33,6 +33,7 @@ from precache.build.sources import list_inputs
 from precache.build.worker import WorkerConfig
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
+from precache.cache.generations import DEFAULT_RETENTION_S
 from precache.cache.transaction import WriteTransaction
 from precache.errors import RunError
 from precache.pipeline import Pipeline, load_pipeline
@@ -95,6 +96,7 @@ def run(
     log: Any = print,
     executor: str = "local",
     ray_address: str | None = None,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> RunSummary:
     """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
 
@@ -120,6 +122,9 @@ def run(
         ray_address: with ``executor="ray"``, the address of a running Ray cluster; ``None``
             starts a local Ray for this run. On a cluster, ``output`` must be on storage
             that every node sees at the same path: the actors write the shards.
+        retention_s: how long the files of the generation this run replaces are kept for
+            readers that still use it (default an hour; always while a reader holds it; see
+            ``precache gc``). 0 deletes them at once unless a reader holds them.
 
     Returns:
         A ``RunSummary``.
@@ -147,7 +152,7 @@ def run(
     inputs = list_inputs(input, pipeline.extensions)
     workers = default_workers() if workers is None else max(1, workers)
     transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
-                                   overwrite=overwrite, log=log)
+                                   overwrite=overwrite, log=log, retention_s=retention_s)
     with transaction as tx:
         todo, kept = classify(inputs, tx.records)
         deleted = len(set(tx.records) - {item.key for item in inputs})

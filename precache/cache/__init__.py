@@ -6,16 +6,18 @@
 - ``schema``: column kinds and shapes; ``formats/``: Parquet and HDF5 shards.
 - ``tables``: the per-generation index and errors tables.
 - ``lock``: one writer per cache; ``transaction``: a run's write, from lock to publish.
+- ``generations``: kept generations, reader leases, and what ``precache gc`` may delete.
 - ``reader``: ``Cache``, read access for stage 2 and tools; ``verify``, ``inspect``.
 
 It stores its bytes through ``precache.storage`` and never imports ``precache.build``.
 """
 
+from precache.cache.generations import GenerationError
 from precache.cache.layout import MARKER, OWN_NAMES, CacheLayout
 from precache.cache.lock import CacheBusyError, CacheLock
 from precache.cache.manifest import Manifest, ManifestError
 from precache.cache.reader import Cache, load_manifest
 from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
 
-__all__ = ["Cache", "CacheBusyError", "CacheLayout", "CacheLock", "Manifest", "ManifestError",
+__all__ = ["Cache", "CacheBusyError", "GenerationError", "CacheLayout", "CacheLock", "Manifest", "ManifestError",
            "load_manifest", "read_table", "INDEX_SCHEMA", "ERRORS_SCHEMA", "MARKER", "OWN_NAMES"]

@@ -16,6 +16,8 @@ Layout::
     CACHE/journal/                shards committed by a run that has not published its manifest
     CACHE/.staging/               files being written; renamed into place when complete
     CACHE/.lock                   held (flock) by the run writing the cache
+    CACHE/generations/manifest-GGGGG.json   the manifest of every kept generation
+    CACHE/readers/gen-GGGGG-*.json          reader leases: a reader holds generation G
 
 The index and errors tables are named by the manifest's generation, so publishing a new one never
 changes a file the current manifest names.
@@ -53,6 +55,8 @@ OWN_NAMES = {
     "journal": re.compile(r"\.?(part-\d{5,}\.json|base-generation)(\.tmp-\d+)?"),
     ".staging": re.compile(r"(fetched-)?part-\d{5,}\.(parquet|h5)(\.tmp-\d+)?"
                            r"|(index|errors)-\d{5,}\.parquet\.tmp"),
+    "generations": re.compile(r"\.?manifest-\d{5,}\.json(\.tmp-\d+)?"),
+    "readers": re.compile(r"\.?gen-\d{5,}-[A-Za-z0-9_.]+-\d+-[0-9a-f]{12}\.json(\.tmp-\d+)?"),
 }
 """Per folder of a cache, the names of the files that precache writes there: the only files it
 ever deletes."""
@@ -198,7 +202,8 @@ class CacheLayout:
                           if not (p.is_file() and self.is_own(folder.name, p.name))]
         if self.url is None:  # a local cache's subfolders; a URL lists no folders
             found += [f"{p.name}/" for p in self.root.iterdir() if p.is_dir()
-                      and p.name not in ("shards", "journal", ".staging")]
+                      and p.name not in ("shards", "journal", ".staging", "generations",
+                                         "readers")]
         return sorted(found)
 
     def local_shard(self, info: ShardInfo) -> Path:

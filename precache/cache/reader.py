@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from precache.cache.formats import ShardReader, get_format
+from precache.cache.generations import (GenerationError, ReaderLease, generation_path,
+                                        kept_generations, load_generation)
 from precache.cache.manifest import Manifest, ManifestError
 from precache.cache.tables import read_table
 from precache.storage import Store
@@ -44,18 +46,67 @@ class Cache:
         path: the cache directory, or the URL of a remote cache.
         disk_cache: where a remote cache's shards are kept locally (default: a ``DiskCache``
             in ``precache_home()/shards``, at most 50 GiB). Unused for local caches.
+        generation: the generation to read (default: the current one); see
+            ``precache.cache.generations``.
+        hold: take a reader lease on the generation, so that stage 1 and ``precache gc``
+            keep its files until ``close()`` (or this process ends).
 
     Raises:
         ManifestError: the directory holds no finished cache.
+        GenerationError: ``generation`` is not kept.
         StorageError: the URL cannot be read (unknown scheme, missing bucket, credentials).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *,
-                 disk_cache: DiskCache | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, disk_cache: DiskCache | None = None,
+                 generation: int | None = None, hold: bool = False) -> None:
         self.store = Store(path)
-        self.manifest = load_manifest(self.store)
+        current = load_manifest(self.store)
+        self.manifest = current if generation is None else load_generation(
+            self.store, generation, current)
+        self.lease: ReaderLease | None = None
+        if hold:
+            self.lease = ReaderLease(self.store, self.manifest.generation)
+            if (self.manifest.generation != load_manifest(self.store).generation
+                    and not self.store.exists(generation_path(self.manifest.generation))):
+                # superseded and collected before the lease was written (collect deletes a
+                # generation's manifest before its files)
+                self.lease.release()
+                raise self._missing(generation_path(self.manifest.generation))
         self.format = get_format(self.manifest.format)
         self.disk_cache = (disk_cache or DiskCache()) if self.store.remote else None
+
+    @property
+    def generation(self) -> int:
+        """The generation this reader reads."""
+        return self.manifest.generation
+
+    def kept_generations(self) -> list[int]:
+        """The generations whose files are kept now, ascending (the current one included)."""
+        return sorted(set(kept_generations(self.store)) | {load_manifest(self.store).generation})
+
+    def close(self) -> None:
+        """Let go of the generation (release the reader lease, if this process holds one)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["lease"] = None  # the process that took it renews and releases it
+        return state
+
+    def _check_kept(self, rel: str) -> None:
+        """A file of this generation is missing: raise ``GenerationError`` if the generation is
+        no longer the current one (so it was collected); otherwise return (the caller reports
+        the missing file of the current cache)."""
+        if load_manifest(self.store).generation != self.generation:
+            raise self._missing(rel)
+
+    def _missing(self, rel: str) -> GenerationError:
+        current = load_manifest(self.store).generation
+        return GenerationError(
+            f"generation {self.generation} of '{self.store.url}' was removed (by precache gc, "
+            f"--overwrite, or a re-run past the retention period): {rel} is gone; reopen the "
+            f"cache to read generation {current}")
 
     def __len__(self) -> int:
         return self.manifest.rows
@@ -65,8 +116,15 @@ class Cache:
         taken from the disk cache (``recheck``: hash that copy again)."""
         info = self.manifest.shards[i]
         if self.disk_cache is None:
-            return Path(self.store.base) / info.path
-        return self.disk_cache.fetch(self.store, info, recheck=recheck)
+            path = Path(self.store.base) / info.path
+            if not path.exists():
+                self._check_kept(info.path)
+            return path
+        try:
+            return self.disk_cache.fetch(self.store, info, recheck=recheck)
+        except FileNotFoundError:
+            self._check_kept(info.path)
+            raise
 
     def reader(self, i: int) -> ShardReader:
         """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the

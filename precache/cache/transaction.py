@@ -19,9 +19,11 @@ Order of effects (crash-safe at every step):
 2. **Commit** (workers, one task each): a shard is written under ``.staging/``, fsynced, renamed
    into ``shards/``, then its journal entry is written. ``add`` journals a remote cache's entries
    here, where the journal lives.
-3. **Publish**: the index and errors tables of the new generation, then ``manifest.json`` (last,
-   atomically, its folder fsynced): from that moment the new cache is the cache. Then files the
-   new manifest no longer names, the journal and staging are deleted.
+3. **Publish**: the index and errors tables of the new generation, its kept copy
+   ``generations/manifest-GGGGG.json``, then ``manifest.json`` (last, atomically, its folder
+   fsynced): from that moment the new cache is the cache. Then the files no kept generation
+   names (``generations.collect``: older generations stay while a reader holds them and for a
+   retention period), the journal and staging are deleted.
 4. **Exit**: the lock is released (also on error; committed shards stay for a re-run).
 """
 
@@ -38,6 +40,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats import ShardFormat, ShardInfo
+from precache.cache.generations import (DEFAULT_RETENTION_S, collect, generation_path,
+                                        kept_generations, load_generation)
 from precache.cache.layout import MARKER, CacheLayout
 from precache.cache.lock import CacheLock
 from precache.cache.manifest import Manifest, ManifestError
@@ -78,6 +82,8 @@ class WriteTransaction:
             are not reused.
         overwrite: replace a cache of another pipeline, or a corrupt one.
         log: where one-line notes go (files left alone in the output).
+        retention_s: how long the files of the generation this run supersedes are kept when
+            no reader holds it (see ``precache.cache.generations``).
 
     Raises (on entering):
         RunError: the output is a file, a non-empty folder that is not a cache, a cache of
@@ -87,12 +93,14 @@ class WriteTransaction:
     """
 
     def __init__(self, output: str | Any, *, pipeline: str, fingerprint: str,
-                 overwrite: bool = False, log: Callable[[str], Any] = print) -> None:
+                 overwrite: bool = False, log: Callable[[str], Any] = print,
+                 retention_s: float = DEFAULT_RETENTION_S) -> None:
         self.layout = CacheLayout.for_output(output)  # a URL: work locally, publish to the URL
         self.pipeline = pipeline
         self.fingerprint = fingerprint
         self.overwrite = overwrite
         self.log = log
+        self.retention_s = retention_s
         self.old: Manifest | None = None
         self._state = _State()
         self._lock = CacheLock(self.layout)
@@ -185,6 +193,8 @@ class WriteTransaction:
             for name in store.list():
                 if layout.is_table(name):
                     layout.delete_own("", name)
+            for name in store.list("generations"):  # their shards are gone: readers of them too
+                layout.delete_own("generations", name)
             layout.clear_local(layout.journal)
             layout.clear_local(layout.staging)
             old = None
@@ -196,6 +206,12 @@ class WriteTransaction:
         layout, old, state = self.layout, self.old, _State()
         if old is not None:
             state.referenced |= {Path(s.path).name for s in old.shards}
+            for generation in kept_generations(layout.store):  # pinned by readers, or recent
+                try:
+                    kept = load_generation(layout.store, generation, old)
+                except ManifestError:
+                    continue  # unreadable: its files are orphans to this run
+                state.referenced |= {Path(s.path).name for s in kept.shards}
             state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
             if old.fingerprint == self.fingerprint:
                 try:
@@ -344,22 +360,20 @@ class WriteTransaction:
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             precache_version=__version__,
         )
-        layout.store.write_bytes("manifest.json", manifest.to_bytes())  # last: now it is the cache
+        data = manifest.to_bytes()
+        layout.store.write_bytes(generation_path(generation), data)  # kept for its readers
+        layout.store.write_bytes("manifest.json", data)  # last: now it is the cache
         if layout.url is None:
             fsync_dir(layout.root)  # the manifest's rename, too, survives a power cut
-        self._clean_up(keep_shards={Path(s.path).name for s in shards},
-                       keep_tables={index_name, errors_name})
+        self._clean_up(manifest)
         return manifest
 
-    def _clean_up(self, keep_shards: set[str], keep_tables: set[str]) -> None:
-        """After publishing: delete precache's shards and tables the manifest does not name,
-        then the journal and staging."""
+    def _clean_up(self, manifest: Manifest) -> None:
+        """After publishing: delete the superseded generations no reader holds and that are
+        past the retention period, and precache's shards and tables no kept generation names
+        (``generations.collect``); then the journal and staging."""
         layout = self.layout
-        for name in layout.store.list("shards"):
-            if name not in keep_shards:
-                layout.delete_own("shards", name)
-        for name in layout.store.list():
-            if layout.is_table(name) and name not in keep_tables:
-                layout.delete_own("", name)
+        collect(layout.store, manifest, retention_s=self.retention_s, is_own=layout.is_own,
+                log=self.log)
         layout.clear_local(layout.journal)
         layout.clear_local(layout.staging)

@@ -37,9 +37,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
+from precache.cache.manifest import ManifestError
 from precache.cache.formats.base import ShardReader
 from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
@@ -47,6 +49,31 @@ from precache.storage.disk_cache import DiskCache
 __all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
 
 Sample = dict[str, Any]
+
+
+def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cache:
+    """The cache at ``path``, holding ``generation`` (a reader lease; default the current one).
+
+    Under ``torch.distributed`` with no generation given, rank 0 opens the current generation
+    and broadcasts its number, so every rank reads the same one even if stage 1 publishes
+    another in between; an error on rank 0 is raised on every rank (none waits forever)."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if generation is not None or not distributed:
+        return Cache(path, disk_cache=disk_cache, generation=generation, hold=True)
+    cache, box = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            cache = Cache(path, disk_cache=disk_cache, hold=True)
+            box = [cache.generation]
+        except Exception as error:
+            box = [f"rank 0 could not open '{path}': {error}"]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ManifestError(box[0])
+    return cache if cache is not None else Cache(path, disk_cache=disk_cache,
+                                                 generation=box[0], hold=True)
 
 
 def _available_memory() -> int:
@@ -109,8 +136,14 @@ class CachedDataset:
             least recently used shards are deleted past it). Give it the whole cache for epoch 2
             to read only from local disk.
 
+        generation: the generation of the cache to read (default: the current one; under
+            ``torch.distributed``, the one rank 0 finds current, so all ranks read the same).
+            The dataset holds it (a reader lease): a re-run of stage 1 publishes a new one
+            without removing this one's files while the dataset is open.
+
     Raises:
         ManifestError: ``cache`` holds no finished cache.
+        GenerationError: ``generation`` is not kept any more.
         KeyError: a requested column is not in the cache.
     """
 
@@ -119,9 +152,11 @@ class CachedDataset:
                  max_decoded_bytes: int = 1 << 30, resident: bool | None = None,
                  max_open_shards: int = 4096, release_mapped_bytes: int | None = None,
                  disk_cache_dir: str | os.PathLike[str] | None = None,
-                 disk_cache_bytes: int | None = None) -> None:
+                 disk_cache_bytes: int | None = None, generation: int | None = None) -> None:
         self.path = os.fspath(cache)
-        self._cache = Cache(self.path, disk_cache=DiskCache(disk_cache_dir, disk_cache_bytes))
+        self._owner_pid = os.getpid()
+        self._cache = open_pinned(self.path, DiskCache(disk_cache_dir, disk_cache_bytes),
+                                  generation)
         schema = self._cache.manifest.schema
         missing = [c for c in columns or () if c not in schema]
         if missing:
@@ -203,6 +238,15 @@ class CachedDataset:
 
     def __len__(self) -> int:
         return len(self._shard)
+
+    @property
+    def generation(self) -> int:
+        """The generation of the cache this dataset reads (pinned when it was opened)."""
+        return self._cache.generation
+
+    def kept_generations(self) -> list[int]:
+        """The generations of the cache whose files are kept now (the current one included)."""
+        return self._cache.kept_generations()
 
     @property
     def shard_ids(self) -> np.ndarray:
@@ -341,6 +385,9 @@ class CachedDataset:
         return self.__getitems__([index])[0]
 
     def close(self) -> None:
+        """Close the shard files and let go of the generation (its lease)."""
+        if self._owner_pid == os.getpid():  # not a forked worker's copy: the lease is ours
+            self._cache.close()
         if self._warmer is not None and self._warmer_pid == os.getpid():
             self._warmer.close()
         self._warmer = None

@@ -142,11 +142,40 @@ class CacheLoader:
                 default: the samples this loader has yielded. Pass it when something between
                 the loader and the step (a ``DevicePrefetcher`` on CUDA) holds a batch ahead.
         """
-        return self.sampler.state_dict(consumed=self._consumed if consumed is None else consumed)
+        state = self.sampler.state_dict(consumed=self._consumed if consumed is None else consumed)
+        cached = self._cached_dataset()
+        if cached is not None:
+            state["generation"] = cached.generation  # the order is an order of its rows
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved epoch (see ``DistributedShardSampler.load_state_dict``).
+
+        Raises:
+            ValueError: the state was saved reading another generation of the cache than this
+                loader's dataset reads (its positions would name other samples); the message
+                says whether the saved generation is still kept and how to resume.
+        """
+        cached = self._cached_dataset()
+        saved = state.get("generation")
+        if cached is not None and saved is not None and saved != cached.generation:
+            kept = saved in cached.kept_generations()
+            fix = (f"to resume exactly, open CachedDataset('{cached.path}', generation={saved}), "
+                   "which is still kept" if kept else
+                   f"generation {saved} is no longer kept (precache gc or a re-run removed it)")
+            raise ValueError(
+                f"this loader state was saved reading generation {saved} of '{cached.path}', "
+                f"but the dataset reads generation {cached.generation}; {fix}; or start the "
+                "epoch over on the new generation: set_epoch without load_state_dict")
         self.sampler.load_state_dict(state)
         self._consumed = 0
+
+    def _cached_dataset(self) -> Any:
+        """The ``CachedDataset`` under the loader's dataset (through ``Subset``s), or None."""
+        dataset = self.loader.dataset
+        while not hasattr(type(dataset), "generation") and hasattr(dataset, "dataset"):
+            dataset = dataset.dataset
+        return dataset if hasattr(type(dataset), "generation") else None
 
 
 def make_loader(

@@ -189,10 +189,20 @@ class ParquetShardReader(ShardReader):
         self._nbytes = 0
 
     def _open(self) -> pq.ParquetFile:
-        # Reads are single-threaded: DataLoader workers are the parallelism, and Arrow's CPU
-        # pool, once started, can abort a process at exit (apache/arrow#34314).
+        """The Parquet file, read from this reader's memory map of it: the file is opened once,
+        so a copy evicted from a disk cache stays readable through the map (an unlinked file
+        lives while it is mapped), and the reader holds one descriptor (the map's)."""
         if self._file is None:
-            self._file = pq.ParquetFile(self.path, memory_map=True)
+            if self._map is None:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                # No read-around on a page fault: the kernel would read up to read_ahead_kb
+                # (often MBs) around each randomly read row. Reads ask for what they need
+                # (will_need) instead.
+                self._map.madvise(mmap.MADV_RANDOM)
+            # Reads are single-threaded: DataLoader workers are the parallelism, and Arrow's
+            # CPU pool, once started, can abort a process at exit (apache/arrow#34314).
+            self._file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self._map)))
         return self._file
 
     def __len__(self) -> int:
@@ -200,29 +210,13 @@ class ParquetShardReader(ShardReader):
             self._rows = self._open().metadata.num_rows
         return self._rows
 
-    def _release_file(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
     def mapped(self) -> dict[str, np.ndarray]:
         """The columns that are read from the mapped file, as ``(n, *shape)`` read-only views."""
         if self._views is None:
             file = self._open()
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else None
-            if self._map is not None:
-                # No read-around on a page fault: the kernel would read up to read_ahead_kb
-                # (often MBs) around each randomly read row. Reads ask for what they need
-                # (will_need) instead.
-                self._map.madvise(mmap.MADV_RANDOM)
-            self._offsets = mapped_offsets(file, self._map, self.schema) if self._map else {}
+            self._offsets = mapped_offsets(file, self._map, self.schema)
             rows = self._rows = file.metadata.num_rows
             self._views = {}
-            if self._offsets and all(n in self._offsets for n in self.schema
-                                     if self.schema[n].kind in MAPPED_KINDS):
-                self._release_file()  # the map is enough until a decoded column is asked for
             for name, offset in self._offsets.items():
                 spec = self.schema[name]
                 self._views[name] = np.frombuffer(self._map, dtype=np.dtype(spec.dtype),
@@ -291,8 +285,8 @@ class ParquetShardReader(ShardReader):
 
     def close(self) -> None:
         self._decoded, self._nbytes, self._views, self._offsets = {}, 0, None, {}
-        self._map = None  # unmapped once no gathered view refers to it
-        self._release_file()
+        self._map = None  # unmapped once no view or Arrow buffer refers to it
+        self._file = None
 
 
 class ParquetFormat(ShardFormat):

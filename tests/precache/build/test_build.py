@@ -21,7 +21,9 @@ SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 
 
 def quiet_run(input: Path, output: Path, **kwargs: object) -> precache.RunSummary:
+    """A quiet run; a replaced generation's files go at once (no reader holds them)."""
     kwargs.setdefault("shard_rows", 5)
+    kwargs.setdefault("retention_s", 0)
     return precache.run(kwargs.pop("pipeline", COUNTING_PIPELINE), input, output,
                         progress=False, log=lambda *_: None, **kwargs)
 

@@ -148,8 +148,10 @@ def bucket(s3: S3Server) -> str:
 
 def build(photos: Path | str, output: str | Path, **options: object) -> precache.RunSummary:
     """Run the counting pipeline (one worker, 8 inputs per shard) from ``photos`` into
-    ``output``, quietly; ``options`` override those settings."""
-    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None)
+    ``output``, quietly; ``options`` override those settings. A replaced generation's files go
+    at once (``retention_s=0``; no reader holds them): tests of keeping them say so."""
+    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None,
+                    retention_s=0)
     return precache.run(COUNTING_PIPELINE, photos, output, **{**settings, **options})
 
 

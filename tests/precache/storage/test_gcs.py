@@ -37,6 +37,7 @@ def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(
     assert [s.checksum for s in shards] == [s.checksum for s in Cache(local.cache).manifest.shards]
     assert sorted(remote_files(gcs, url)) == sorted(
         ["manifest.json", MARKER, "index-00001.parquet", "errors-00001.parquet",
+         "generations/manifest-00001.json",
          *(s.path for s in shards)])
     assert verify(url) == []
 

@@ -52,5 +52,6 @@ def test_user_objects_beside_a_remote_cache_survive_reruns_and_overwrite(
     assert files["shards/notes.txt"] == 4 and files["README.md"] == 8
     manifest = precache.Cache(url).manifest
     assert sorted(files) == sorted(["manifest.json", MARKER, manifest.index["path"],
+                                    f"generations/manifest-{manifest.generation:05d}.json",
                                     manifest.errors["path"], "shards/notes.txt", "README.md",
                                     *(s.path for s in manifest.shards)])

@@ -50,6 +50,7 @@ def test_a_run_to_s3_reads_back_like_a_local_run(s3, bucket: str, tmp_path: Path
     assert [s.checksum for s in shards] == [s.checksum for s in Cache(local.cache).manifest.shards]
     assert sorted(remote_files(s3, url)) == sorted(
         [".precache", "manifest.json", "index-00001.parquet", "errors-00001.parquet",
+         "generations/manifest-00001.json",
          *(s.path for s in shards)])
     assert not (work_dir_for(url) / "journal").exists()  # published: nothing left to resume
 
@@ -81,6 +82,7 @@ def test_a_rerun_from_an_empty_working_directory_is_incremental(
     manifest = Cache(url).manifest
     assert manifest.generation == 2 and manifest.rows == 19
     assert sorted(remote_files(s3, url)) == sorted([".precache", "manifest.json",
+                                                    "generations/manifest-00002.json",
                                                     "index-00002.parquet",
                                                     "errors-00002.parquet",
                                                     *(s.path for s in manifest.shards)])
