@@ -1,0 +1,72 @@
+"""``precache gc CACHE``: remove superseded generations no reader holds, and their files."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from precache.cache.generations import DEFAULT_RETENTION_S, collect
+from precache.cache.layout import CacheLayout
+from precache.cache.lock import CacheLock
+from precache.cache.reader import load_manifest
+from precache.storage import Store
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """Seconds from ``0``, ``90``, ``90s``, ``30m``, ``2h`` or ``7d`` (argparse type)."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration; use seconds or a number with s, m, h or d "
+            "(0, 90, 30m, 2h, 7d)")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def count(text: str) -> int:
+    """A non-negative integer (argparse type)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0, 1, 2, ...)")
+    return int(text)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "gc", help="remove old generations of a cache that no reader holds",
+        description="Every run that publishes keeps the generation it replaces, for readers "
+        "still using it (a training job opened before the run) and for a retention period "
+        f"(default {DEFAULT_RETENTION_S / 3600:.0f} h). This removes superseded generations "
+        "that no live reader holds and that are older than --older-than or beyond the --keep "
+        "newest, then every shard and table no kept generation names. The current generation "
+        "is never removed. Takes the cache's write lock (fails while a run writes it).",
+    )
+    parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
+    parser.add_argument("--older-than", type=duration, default=DEFAULT_RETENTION_S,
+                        metavar="DURATION",
+                        help="remove generations superseded longer ago than this (0, 90s, 30m, "
+                        "2h, 7d; default 1h)")
+    parser.add_argument("--keep", type=count, default=None, metavar="N",
+                        help="also remove all but the N newest superseded generations, "
+                        "whatever their age (default: no limit)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="say what would be removed; remove nothing")
+    parser.set_defaults(handler=gc_command)
+
+
+def gc_command(args: argparse.Namespace) -> int:
+    load_manifest(Store(args.cache))  # not a cache: say so before taking (making) a lock
+    layout = CacheLayout.for_output(args.cache)
+    with CacheLock(layout):
+        current = load_manifest(layout.store)
+        done = collect(layout.store, current, retention_s=args.older_than, keep=args.keep,
+                       dry_run=args.dry_run, is_own=layout.is_own)
+    verb = "would remove" if args.dry_run else "removed"
+    for generation in done.removed:
+        print(f"{verb} generation {generation}")
+    for generation, why in sorted(done.kept.items()):
+        print(f"kept generation {generation}: {why}")
+    print(f"current generation {current.generation}; {verb} {len(done.deleted_files)} file(s), "
+          f"{done.freed_bytes / 1e6:.1f} MB")
+    return 0

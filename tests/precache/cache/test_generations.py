@@ -1,0 +1,233 @@
+"""Pinned generations: a reader keeps reading the generation it opened while stage 1 publishes
+the next; DDP ranks agree on one; ``precache gc`` never removes a held generation.
+
+Readers and ranks are real processes; the re-runs change 80% of the inputs and keep no
+retention period (``retention_s=0``), so only the readers' leases keep the old files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import precache
+from precache.cache import GenerationError
+from precache.cache.generations import kept_generations, live_leases
+from precache.storage import Store
+from tests.conftest import COUNTING_PIPELINE, REPO, launch_ranks, precache_cli, wait_until, write_photos
+
+ROWS = 40
+
+
+def build(photos: Path, cache: Path | str, **options: object) -> precache.RunSummary:
+    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None, retention_s=0)
+    return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
+
+
+def change_most_inputs(photos: Path) -> None:
+    """Rewrite 80% of the inputs with other pixels (32 of 40)."""
+    changed = write_photos(photos.parent / "changed", ROWS, seed=99)
+    for old, new in zip(sorted(photos.iterdir())[:32], sorted(changed)[:32]):
+        old.write_bytes(new.read_bytes())
+
+
+def keys_of(cache: Path | str, generation: int | None = None) -> list[str]:
+    dataset = precache.CachedDataset(cache, columns=["key"], generation=generation)
+    try:
+        return dataset.read_batch(range(len(dataset)))["key"]
+    finally:
+        dataset.close()
+
+
+def shard_files(cache: Path) -> set[str]:
+    return {p.name for p in (cache / "shards").iterdir()}
+
+
+HOLDER = """
+import sys
+from precache import Cache
+cache = Cache(sys.argv[1], hold=True)
+print(cache.generation, flush=True)
+sys.stdin.readline()  # until the test says go
+for i in range(len(cache.manifest.shards)):
+    reader = cache.reader(i)
+    print(len(reader.read(columns=["key"])["key"]), flush=True)
+"""
+
+
+def start_holder(cache: Path | str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache)], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == "1", proc.stderr.read()
+    return proc
+
+
+def test_a_reader_keeps_its_generation_through_a_rerun_and_gc_waits_for_it(tmp_path: Path) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, ROWS)
+    build(photos, cache)
+    first = set(keys_of(cache))
+    first_shards = shard_files(cache)
+    holder = start_holder(cache)
+    try:
+        change_most_inputs(photos)
+        summary = build(photos, cache)
+        assert summary.computed == 32 and precache.Cache(cache).generation == 2
+        assert first_shards <= shard_files(cache)  # held: nothing of generation 1 went
+        gc = precache_cli("gc", str(cache), "--older-than", "0", "--keep", "0")
+        assert gc.returncode == 0, gc.stderr
+        assert f"kept generation 1: held by a reader on host" in gc.stdout
+        assert f"pid {holder.pid}" in gc.stdout and first_shards <= shard_files(cache)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        counts = [int(holder.stdout.readline()) for _ in range(5)]  # its 5 shards, all there
+        assert sum(counts) == ROWS and holder.wait(timeout=60) == 0, holder.stderr.read()
+        assert set(keys_of(cache, generation=1)) == first  # still kept: gc has not run since
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    gc = precache_cli("gc", str(cache), "--older-than", "0")  # the holder has exited
+    assert gc.returncode == 0 and "removed generation 1" in gc.stdout, gc.stdout + gc.stderr
+    assert kept_generations(Store(cache)) == [2]
+    assert shard_files(cache) == {Path(s.path).name for s in precache.Cache(cache).manifest.shards}
+    with pytest.raises(GenerationError, match=r"has no generation 1 any more \(kept: 2; "
+                                              r"current: 2\)") as caught:
+        precache.CachedDataset(cache, generation=1)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_killed_reader_holds_nothing_and_gc_dry_run_removes_nothing(tmp_path: Path) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, ROWS)
+    build(photos, cache)
+    holder = start_holder(cache)
+    change_most_inputs(photos)
+    build(photos, cache)
+    assert list(live_leases(Store(cache))) == [1]
+    os.kill(holder.pid, signal.SIGKILL)  # a dead process on this host holds nothing
+    holder.wait()
+    assert live_leases(Store(cache)) == {}
+    (cache / "generations" / "notes.txt").write_text("mine")  # not precache's: left alone
+    before = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
+    dry = precache_cli("gc", str(cache), "--older-than", "0", "--dry-run")
+    assert dry.returncode == 0 and "would remove generation 1" in dry.stdout, dry.stderr
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()) == before
+    done = precache_cli("gc", str(cache), "--older-than", "0")
+    assert done.returncode == 0 and "removed generation 1" in done.stdout
+    assert (cache / "generations" / "notes.txt").read_text() == "mine"
+    assert not any((cache / "readers").iterdir())  # the dead reader's stale lease went too
+
+
+def test_recent_generations_are_kept_for_the_retention_period(tmp_path: Path) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, ROWS)
+    build(photos, cache, retention_s=3600)
+    change_most_inputs(photos)
+    build(photos, cache, retention_s=3600)
+    assert kept_generations(Store(cache)) == [1, 2]
+    assert len(keys_of(cache, generation=1)) == ROWS  # nobody held it: the retention kept it
+    kept = precache_cli("gc", str(cache))  # default --older-than: the retention period
+    assert kept.returncode == 0 and "kept generation 1: superseded" in kept.stdout
+    assert precache_cli("gc", str(cache), "--keep", "0").stdout.startswith("removed generation 1")
+    bad = precache_cli("gc", str(cache), "--older-than", "soon")
+    assert bad.returncode == 2 and "'soon' is not a duration" in bad.stderr
+    missing = precache_cli("gc", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "is not a precache cache" in missing.stderr
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_resuming_a_loader_on_another_generation_says_what_to_do(tmp_path: Path) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, ROWS)
+    build(photos, cache)
+    old = precache.CachedDataset(cache, columns=["key"])
+    loader = precache.make_loader(old, 8, num_workers=0, seed=3)
+    loader.set_epoch(0)
+    seen = [k for _, batch in zip(range(2), loader) for k in batch["key"]]
+    state = loader.state_dict()
+    assert state["generation"] == 1
+    change_most_inputs(photos)
+    build(photos, cache)  # generation 2; old still holds 1
+    new = precache.make_loader(precache.CachedDataset(cache, columns=["key"]), 8, num_workers=0,
+                               seed=3)
+    with pytest.raises(ValueError, match=r"saved reading generation 1 of .* but the dataset "
+                                         r"reads generation 2; to resume exactly, open "
+                                         r"CachedDataset\(.*, generation=1\), which is still kept"):
+        new.load_state_dict(state)
+    pinned = precache.make_loader(precache.CachedDataset(cache, columns=["key"], generation=1), 8,
+                                  num_workers=0, seed=3)
+    pinned.load_state_dict(state)
+    pinned.set_epoch(0)
+    rest = [k for batch in pinned for k in batch["key"]]
+    assert sorted(seen + rest) == sorted(keys_of(cache, generation=1))
+    gc = precache_cli("gc", str(cache), "--older-than", "0")
+    assert "kept generation 1: held by a reader" in gc.stdout  # two datasets here hold it
+    old.close()
+    pinned.dataset.close()
+    gc = precache_cli("gc", str(cache), "--older-than", "0")
+    assert "removed generation 1" in gc.stdout
+    with pytest.raises(ValueError, match=r"generation 1 is no longer kept"):
+        new.load_state_dict(state)
+
+
+def rank_main(cache: str, out: str) -> None:
+    """One DDP rank: open the cache, wait for the re-run, read one epoch, report."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dataset = precache.CachedDataset(cache, columns=["key"])
+    dist.barrier()
+    Path(out, f"opened{rank}").touch()
+    while not Path(out, "rerun-done").exists():  # the parent re-runs stage 1 meanwhile
+        time.sleep(0.05)
+    loader = precache.make_loader(dataset, 4, num_workers=1, seed=5)
+    loader.set_epoch(0)
+    keys = [k for batch in loader for k in batch["key"]]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"keys": keys, "generation": dataset.generation,
+         "state": loader.state_dict()["generation"]}))
+    dist.barrier()
+    dataset.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_read_one_generation_while_stage_one_reruns(tmp_path: Path) -> None:
+    photos, cache, out = tmp_path / "photos", tmp_path / "cache", tmp_path / "ranks"
+    write_photos(photos, ROWS)
+    build(photos, cache)
+    first = keys_of(cache)
+    results: list[list[dict]] = []
+    ranks = threading.Thread(target=lambda: results.append(launch_ranks(
+        "tests.precache.cache.test_generations", 2, out, [str(cache), str(out)], 120.0)))
+    ranks.start()
+    try:
+        wait_until(lambda: (out / "opened0").exists() and (out / "opened1").exists(),
+                   "both ranks opened the cache", timeout=120)
+        change_most_inputs(photos)
+        assert build(photos, cache).computed == 32
+        (out / "rerun-done").touch()
+    finally:
+        (out / "rerun-done").touch()
+        ranks.join()
+    assert len(results) == 1, "the ranks failed (see the error above)"
+    reports = results[0]
+    assert [r["generation"] for r in reports] == [1, 1] and [r["state"] for r in reports] == [1, 1]
+    seen = Counter(k for r in reports for k in r["keys"])
+    assert sorted(seen) == sorted(first) and set(seen.values()) == {1}  # each once, none new
+    assert precache.Cache(cache).generation == 2
+
+
+if __name__ == "__main__":
+    rank_main(*sys.argv[1:])
