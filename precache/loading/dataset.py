@@ -90,11 +90,33 @@ def _available_memory() -> int:
 class CachedBatch(list):
     """What ``__getitems__`` returns without a transform: the samples (so any collate works),
     plus ``columns``, the same rows as batched arrays, which ``collate_samples`` turns into
-    tensors without taking them apart and stacking them again."""
+    tensors without taking them apart and stacking them again. The per-sample dicts are made
+    only when something reads them as a list."""
 
     def __init__(self, columns: dict[str, Any], count: int) -> None:
-        super().__init__({name: values[i] for name, values in columns.items()} for i in range(count))
-        self.columns = columns
+        super().__init__()
+        self.columns, self._count, self._filled = columns, count, False
+
+    def _fill(self) -> None:
+        if not self._filled:
+            self._filled = True
+            self.extend({name: values[i] for name, values in self.columns.items()}
+                        for i in range(self._count))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Any:
+        self._fill()
+        return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._fill()
+        return super().__getitem__(index)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (to a worker's parent) as samples
+        self._fill()
+        return (list, (list(super().__iter__()),))
 
 
 def collate_samples(samples: list[Sample]) -> dict[str, Any]:

@@ -4,9 +4,10 @@ A cache that fits in memory is read fastest in large sequential reads, but a shu
 touches its shards one random row at a time. The kernel's own read-ahead does not help here:
 read-ahead is off for the mapped shards (``MADV_RANDOM``: past RAM it would read megabytes per
 row), and ``madvise(MADV_WILLNEED)`` over a whole file is capped at the read-ahead window and
-dropped when the disk queue is busy. So a thread reads each shard a batch has touched, once,
-with ``pread`` into a scratch buffer (the GIL is released while it waits on the disk): after
-the first batches, every row is served from memory. Only the page cache keeps what it reads.
+dropped when the disk queue is busy. So a thread reads each shard a batch has touched, once:
+``sendfile`` to ``/dev/null`` makes the kernel read the file into the page cache without
+copying it into this process (no buffer, no private memory; the GIL is released while it
+waits on the disk). After the first batches, every row is served from memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 __all__ = ["ShardWarmer"]
 
 _CHUNK = 4 << 20
-"""Bytes per read."""
+"""Bytes per ``sendfile`` call."""
 
 
 class ShardWarmer:
@@ -45,17 +46,20 @@ class ShardWarmer:
         self._queue.put(None)
 
     def _run(self) -> None:
-        buffer = bytearray(_CHUNK)
-        while (path := self._queue.get()) is not None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue  # gone (evicted from a disk cache): the reader reports it if needed
-            try:
-                offset = 0
-                while read := os.preadv(fd, [buffer], offset):
-                    offset += read
-            except OSError:
-                pass  # only a hint: the reads that matter happen in the gather
-            finally:
-                os.close(fd)
+        sink = os.open(os.devnull, os.O_WRONLY)
+        try:
+            while (path := self._queue.get()) is not None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue  # gone (evicted from a disk cache): the reader reports it if needed
+                try:
+                    offset = 0
+                    while sent := os.sendfile(sink, fd, offset, _CHUNK):
+                        offset += sent
+                except OSError:
+                    pass  # only a hint: the reads that matter happen in the gather
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(sink)

@@ -216,6 +216,7 @@ class ParquetShardReader(ShardReader):
             file = self._open()
             self._offsets = mapped_offsets(file, self._map, self.schema)
             rows = self._rows = file.metadata.num_rows
+            self._file = None  # its parsed footer is private memory; reopened if ever needed
             self._views = {}
             for name, offset in self._offsets.items():
                 spec = self.schema[name]

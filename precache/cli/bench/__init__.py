@@ -7,29 +7,38 @@ with one thread per library per process (``threads_pinned``; workers pin themsel
   columns), batch_size, shuffle=True, num_workers=w)`` (default collate, persistent workers),
   for each ``w``. Epoch 1 (worker start, shards opened and decoded) and the later epochs
   ("ep2+": samples over seconds of epochs 2..n, i.e. their harmonic mean) are reported apart.
-- **the limit**: a NumPy gather of the same bytes. The fixed-shape columns asked for (``ndarray``
-  and ``scalar``; strings and bytes have no fixed shape) are written once to one ``.npy`` per
-  column in a temporary folder and memory-mapped; each batch is ``np.take(column, indices,
-  axis=0, out=batch, mode="clip")`` per column into preallocated arrays, over a fresh
-  permutation per epoch. Measured at the start and at the end, the faster kept (noise only slows).
+- **the limit**: a NumPy memmap gather of the same bytes. The fixed-shape columns asked for
+  (``ndarray`` and ``scalar``; strings and bytes have no fixed shape) are written once to one
+  ``.npy`` per column in a temporary folder and memory-mapped; a ``DataLoader`` (no workers,
+  shuffled, the same batch size) reads them through a dataset whose ``__getitems__`` is one
+  ``np.take`` per column, batches as tensors. Measured at the start and at the end, the faster
+  kept (noise only slows).
+- **cold epoch 1**: before epoch 1 of every cached and limit setting, the files it reads are
+  dropped from the page cache (``drop_page_cache``: ``posix_fadvise(DONTNEED)``), so epoch 1
+  reads from disk, as the first epoch of a job on a fresh node or any epoch of a cache larger
+  than RAM does; the later epochs are warm.
 - **per-file**: the classic loader. Every cached ``image`` is written once (untimed) as its own
   file (JPEG quality 95 by default, or PNG), and a ``Dataset`` whose ``__getitem__`` is
   ``cv2.imread`` + ``cvtColor`` -> tensor is read by a ``DataLoader`` with the same batch size,
   workers, shuffle, persistent workers and default collate. It yields images only.
 - **batch sizes**: 64, 256 and 1024 (those not above the row count) and the given batch size, at
   the recommended number of workers (the best cached ep2+ rate).
-- **worker RSS**: ``VmRSS`` and ``RssAnon`` from ``/proc/PID/status`` of each DataLoader worker
-  after every epoch (pids from the loader's persistent iterator), to show memory stays flat.
+- **worker memory**: ``VmRSS`` and ``RssAnon`` from ``/proc/PID/status``, and USS and PSS from
+  ``/proc/PID/smaps_rollup``, of each DataLoader worker after every epoch (pids from the
+  loader's persistent iterator): memory stays flat, and PSS shows the mapped shards shared.
+- **size**: the cache on disk and its fixed-shape columns decoded, against ``MemTotal``.
 
 Every setting runs epoch 1, then more epochs for about ``seconds``. A long epoch is cut (its rate
 is then over the batches it delivered): a baseline's after ``seconds`` (its rate is steady from
 the first batches on), a cached loader's only after ``CACHED_CUT`` x ``seconds``, since its epoch
-1 front-loads opening (and, for Parquet, decoding) the shards.
+1 starts cold (see above) and opens the shards.
 
 On 2 cores, workers can be slower than the main process for cached data: every batch is copied
 through shared memory and the processes share the cores. Measure, don't assume. ``VmRSS`` counts
-the pages of memory-mapped (HDF5) shards a worker has touched, which the page cache shares among
-processes; ``RssAnon`` is the worker's own memory (decoded Parquet columns among it).
+the pages of the memory-mapped shards a worker has touched, which the page cache shares among
+processes; ``RssAnon`` is the worker's own memory (decoded string and ragged columns among it).
+USS counts the mapped pages only this worker has touched, so it falls as the workers' epochs
+overlap; PSS divides shared pages among the processes that map them.
 
 Parts: ``measure`` (timing epochs of one loader setting: the cached loader, the per-file
 baseline, the NumPy gather limit), ``compare`` (``bench_loader``: export the baselines' data
@@ -37,10 +46,12 @@ once, run every setting, pick the recommendation) and ``report`` (``format_repor
 """
 
 from precache.cli.bench.compare import BATCH_SIZES, FILE_FORMATS, bench_loader
-from precache.cli.bench.measure import (CACHED_CUT, Rates, default_worker_counts, measure_cached,
-                                        measure_gather, measure_per_file)
+from precache.cli.bench.measure import (CACHED_CUT, Rates, default_worker_counts,
+                                        drop_page_cache, measure_cached, measure_gather,
+                                        measure_per_file)
 from precache.cli.bench.report import format_report
 
-__all__ = ["bench_loader", "format_report", "default_worker_counts", "measure_cached",
+__all__ = ["bench_loader", "format_report", "default_worker_counts", "drop_page_cache",
+           "measure_cached",
            "measure_per_file", "measure_gather", "Rates", "BATCH_SIZES", "FILE_FORMATS",
            "CACHED_CUT"]

@@ -85,7 +85,21 @@ def _worker_rss(cached: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"workers": r["workers"], "epochs": len(r["rss_kb"]),
             "after_epoch1_kb": r["rss_kb"][0], "after_epoch2_kb": r["rss_kb"][1],
             "after_last_epoch_kb": r["rss_kb"][-1], "anon_after_epoch1_kb": r["anon_kb"][0],
-            "anon_after_last_epoch_kb": r["anon_kb"][-1]}
+            "anon_after_last_epoch_kb": r["anon_kb"][-1],
+            "uss_after_epoch1_kb": r["uss_kb"][0], "uss_after_last_epoch_kb": r["uss_kb"][-1],
+            "pss_after_epoch1_kb": r["pss_kb"][0], "pss_after_last_epoch_kb": r["pss_kb"][-1]}
+
+
+def _memory_total() -> int:
+    """This machine's RAM in bytes (``MemTotal``; 0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _notes(columns: list[str], fixed: list[str], image_problem: str | None) -> list[str]:
@@ -154,8 +168,10 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
         "bytes_per_sample": int(sum(np.dtype(schema[c].dtype).itemsize
                                     * int(np.prod(schema[c].shape)) for c in fixed)),
         "batch_size": batch_size, "seconds": seconds, "workers": counts, "cores": cores(),
-        "torch": torch.__version__,
+        "torch": torch.__version__, "ram_bytes": _memory_total(),
+        "cache_bytes": sum(s.bytes for s in opened.manifest.shards),
     }
+    result["decoded_bytes"] = result["bytes_per_sample"] * rows
     with threads_pinned(), tempfile.TemporaryDirectory(prefix="precache-bench-") as tmp:
         say(f"exporting {rows} rows for the baselines to {tmp} (untimed)")
         start = time.perf_counter()
@@ -189,14 +205,16 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
             limit_runs.append(measure_gather(arrays, batch_size, seconds / 2))
         del arrays
     limit = max((r.epoch2 for r in limit_runs), default=None)
+    cold = max((r.epoch1 for r in limit_runs), default=None)
     result["limit"] = None if limit is None else {
         "samples_per_s": limit, "mb_per_s": limit * result["bytes_per_sample"] / 1e6,
-        "runs": [r.epoch2 for r in limit_runs]}
+        "runs": [r.epoch2 for r in limit_runs], "cold_samples_per_s": cold,
+        "cold_runs": [r.epoch1 for r in limit_runs]}
     by_workers = {r["workers"]: r for r in per_file}
     for r in cached:
         base = by_workers.get(r["workers"])
         r["fraction_of_limit"] = r["epoch2"] / limit if limit else None
-        r["epoch1_fraction_of_limit"] = r["epoch1"] / limit if limit else None
+        r["epoch1_fraction_of_limit"] = r["epoch1"] / cold if cold else None  # both cold
         r["vs_per_file"] = r["epoch2"] / base["epoch2"] if base else None
         r["epoch1_vs_per_file"] = r["epoch1"] / base["epoch1"] if base else None
     result["cached"] = cached

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import cv2
@@ -17,12 +18,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from precache.cache import Cache
 from precache.loading.dataset import CachedDataset
 from precache.loading.loader import make_loader
 from precache.threads import pin_threads
 
 __all__ = ["Rates", "CACHED_CUT", "cores", "default_worker_counts", "measure_cached",
-           "measure_per_file", "measure_gather"]
+           "measure_per_file", "measure_gather", "drop_page_cache", "shard_paths"]
 
 CACHED_CUT = 10
 """A cached-loader epoch is cut after this many times ``seconds`` (a baseline's: ``seconds``)."""
@@ -38,6 +40,10 @@ class Rates:
         epoch_rates: samples/s of every epoch.
         rss_kb: per epoch, ``VmRSS`` of each worker process after it (empty without workers).
         anon_kb: per epoch, ``RssAnon`` of each worker process (memory not shared with files).
+        uss_kb: per epoch, each worker's USS (``Private_Clean + Private_Dirty``: pages no other
+            process maps; a page of a mapped shard that only this worker touched counts, though
+            the page cache holds it once for all).
+        pss_kb: per epoch, each worker's PSS (shared pages divided among their processes).
         cut_epochs: how many epochs were cut before their end.
     """
 
@@ -47,6 +53,8 @@ class Rates:
     cut_epochs: int = 0
     rss_kb: list[list[int]] = field(default_factory=list)
     anon_kb: list[list[int]] = field(default_factory=list)
+    uss_kb: list[list[int]] = field(default_factory=list)
+    pss_kb: list[list[int]] = field(default_factory=list)
 
 
 def cores() -> int:
@@ -112,6 +120,41 @@ def _proc_status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def _smaps_kb(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` as kB per field (empty if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in lines)}
+
+
+def drop_page_cache(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Evict these files from the page cache, so the next epoch reads them from disk (cold).
+
+    ``os.sync()`` first (dirty pages cannot be dropped), then ``posix_fadvise(DONTNEED)`` per
+    file: no root needed, and other files stay cached. It cannot drop pages that a live process
+    still maps (so measurements drop before opening their files), and for a remote cache it
+    drops the local disk-cache copies, not the bucket."""
+    os.sync()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def shard_paths(cache: str) -> list[Path]:
+    """Local paths of every shard of ``cache`` (a remote cache's are fetched first)."""
+    opened = Cache(cache)
+    return [opened.shard_path(i) for i in range(len(opened.manifest.shards))]
+
+
 def _shutdown(loader: DataLoader) -> None:
     """Stop a loader's persistent workers now rather than at garbage collection."""
     iterator = getattr(loader, "_iterator", None)
@@ -122,11 +165,15 @@ def _shutdown(loader: DataLoader) -> None:
 
 def measure_cached(cache: str, columns: Sequence[str], batch_size: int, workers: int,
                    seconds: float) -> Rates:
-    """Samples/s a training loop receives from ``make_loader`` over ``CachedDataset``."""
+    """Samples/s a training loop receives from ``make_loader`` over ``CachedDataset``; epoch 1
+    starts with the shards out of the page cache (``drop_page_cache``)."""
+    drop_page_cache(shard_paths(cache))
     dataset = CachedDataset(cache, columns)
     loader = make_loader(dataset, batch_size, shuffle=True, num_workers=workers)
     rss: list[list[int]] = []
     anon: list[list[int]] = []
+    uss: list[list[int]] = []
+    pss: list[list[int]] = []
 
     def epoch(e: int) -> Iterator[int]:
         loader.set_epoch(e)
@@ -137,13 +184,16 @@ def measure_cached(cache: str, columns: Sequence[str], batch_size: int, workers:
             pids = _worker_pids(loader.loader)
             rss.append([_proc_status_kb(p, "VmRSS") for p in pids])
             anon.append([_proc_status_kb(p, "RssAnon") for p in pids])
+            smaps = [_smaps_kb(p) for p in pids]
+            uss.append([m.get("Private_Clean", 0) + m.get("Private_Dirty", 0) for m in smaps])
+            pss.append([m.get("Pss", 0) for m in smaps])
 
     try:
         rates = _run_epochs(epoch, seconds, after_epoch, cut=CACHED_CUT * seconds)
     finally:
         _shutdown(loader.loader)
         dataset.close()
-    rates.rss_kb, rates.anon_kb = rss, anon
+    rates.rss_kb, rates.anon_kb, rates.uss_kb, rates.pss_kb = rss, anon, uss, pss
     return rates
 
 
@@ -184,17 +234,35 @@ def measure_per_file(paths: list[str], color: bool, batch_size: int, workers: in
         _shutdown(loader)
 
 
+class _MemmapRows(Dataset):
+    """The limit's dataset: ``__getitems__`` is one ``np.take`` per memory-mapped column."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def __getitems__(self, indices: list[int]) -> dict[str, np.ndarray]:
+        return {name: np.take(array, indices, axis=0) for name, array in self.arrays.items()}
+
+
+def _as_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(values) for name, values in batch.items()}
+
+
 def measure_gather(arrays: dict[str, np.ndarray], batch_size: int, seconds: float) -> Rates:
-    """Samples/s of ``np.take`` of shuffled rows into preallocated batches, per column."""
-    n = len(next(iter(arrays.values())))
-    out = {k: np.empty((batch_size, *a.shape[1:]), dtype=a.dtype) for k, a in arrays.items()}
-
-    def epoch(e: int) -> Iterator[int]:
-        order = np.random.default_rng(e).permutation(n)
-        for start in range(0, n, batch_size):
-            indices = order[start:start + batch_size]
-            for name, array in arrays.items():
-                np.take(array, indices, axis=0, out=out[name][:len(indices)], mode="clip")
-            yield len(indices)
-
-    return _run_epochs(epoch, seconds)
+    """Samples/s of the limit: a ``DataLoader`` (no workers, shuffled) over a dataset whose
+    ``__getitems__`` is one ``np.take`` per memory-mapped column, batches as tensors. Arrays
+    mapped from ``.npy`` files are mapped afresh after ``drop_page_cache``, so epoch 1 reads
+    them from disk."""
+    files = {k: getattr(a, "filename", None) for k, a in arrays.items()}
+    if all(files.values()):
+        drop_page_cache(list(files.values()))
+        arrays = {k: np.load(f, mmap_mode="r") for k, f in files.items()}
+    dataset = _MemmapRows(arrays)
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator,
+                        collate_fn=_as_tensors)
+    return _run_epochs(lambda e: (_batch_len(b) for b in loader), seconds)

@@ -41,12 +41,13 @@ def format_report(result: dict[str, Any]) -> str:
            f"shards; columns {', '.join(r['columns'])}",
            f"batch {r['batch_size']}, shuffle, default collate, persistent workers; epoch 1, then "
            f"{r['seconds']:g} s of epochs per setting; {r['cores']} cores; torch {r['torch']}; "
-           "one thread per library per process", ""]
+           "one thread per library per process", _size_line(r), ""]
     if limit:
         out.append(f"limit (np.take of {', '.join(r['limit_columns'])}, {r['bytes_per_sample']:,} "
                    f"B/sample, from memory-mapped .npy into preallocated batches): "
-                   f"{_rate(limit['samples_per_s'])} samples/s ({limit['mb_per_s']:,.0f} MB/s; "
-                   f"runs {' / '.join(_rate(x) for x in limit['runs'])}, faster kept)")
+                   f"{_rate(limit['samples_per_s'])} samples/s warm ({limit['mb_per_s']:,.0f} MB/s; "
+                   f"runs {' / '.join(_rate(x) for x in limit['runs'])}, faster kept), "
+                   f"{_rate(limit['cold_samples_per_s'])} samples/s in its cold epoch 1")
     if per_file["skipped"]:
         out.append(f"per-file loader: skipped ({per_file['skipped']})")
     else:
@@ -58,15 +59,15 @@ def format_report(result: dict[str, Any]) -> str:
     rows = []
     for c in r["cached"]:
         p = files.get(c["workers"], {})
-        rows.append([str(c["workers"]), _rate(c["epoch1"]), _rate(c["epoch2"]),
-                     _epochs(c), _ratio(c["fraction_of_limit"]),
+        rows.append([str(c["workers"]), _rate(c["epoch1"]), _ratio(c["epoch1_fraction_of_limit"]),
+                     _rate(c["epoch2"]), _epochs(c), _ratio(c["fraction_of_limit"]),
                      _rate(p.get("epoch1")), _rate(p.get("epoch2")),
                      _epochs(p) if p else "-", _ratio(c["vs_per_file"], "x")])
-    out += ["", "samples/s (ep2+: epochs 2..n together; epoch 1 includes worker start and first "
-            f"reads; *: epochs cut, cached after {CACHED_CUT * r['seconds']:g} s, per-file after "
-            f"{r['seconds']:g} s)", "",
-            _table(["workers", "cached ep1", "ep2+", "epochs", "of limit", "per-file ep1", "ep2+",
-                    "epochs", "cached/per-file"], rows)]
+    out += ["", "samples/s (ep1: epoch 1 with the files out of the page cache (cold), worker "
+            "start included; ep2+: epochs 2..n together (warm); *: epochs cut, cached after "
+            f"{CACHED_CUT * r['seconds']:g} s, per-file after {r['seconds']:g} s)", "",
+            _table(["workers", "cached ep1", "of cold limit", "ep2+", "epochs", "of limit",
+                    "per-file ep1", "ep2+", "epochs", "cached/per-file"], rows)]
     rec = r["recommendation"]
     out += ["", f"batch sizes at workers={rec['num_workers']} (samples/s)", "",
             _table(["batch", "ep1", "ep2+", "epochs"],
@@ -79,7 +80,13 @@ def format_report(result: dict[str, Any]) -> str:
                 f"  after epoch 1: {_mb(rss['after_epoch1_kb'])} "
                 f"[{_mb(rss['anon_after_epoch1_kb'])}]; after epoch 2: "
                 f"{_mb(rss['after_epoch2_kb'])}; after epoch {rss['epochs']} (last): "
-                f"{_mb(rss['after_last_epoch_kb'])} [{_mb(rss['anon_after_last_epoch_kb'])}]"]
+                f"{_mb(rss['after_last_epoch_kb'])} [{_mb(rss['anon_after_last_epoch_kb'])}]",
+                f"worker USS / PSS (MB per worker): after epoch 1 {_mb(rss['uss_after_epoch1_kb'])}"
+                f" / {_mb(rss['pss_after_epoch1_kb'])}; after the last "
+                f"{_mb(rss['uss_after_last_epoch_kb'])} / {_mb(rss['pss_after_last_epoch_kb'])}; "
+                f"workers' total USS {_share(sum(rss['uss_after_last_epoch_kb']), r)} of the "
+                "decoded size (a mapped page only one worker touched counts in its USS, though "
+                "the page cache holds it once for all)"]
     best = max(r["batch_sizes"], key=lambda b: b["epoch2"])
     out += ["", f"recommended: num_workers={rec['num_workers']} (most samples/s in epochs 2+), "
             f"batch_size={rec['batch_size']} ({_rate(best['epoch2'])} samples/s, the most of "
@@ -88,5 +95,24 @@ def format_report(result: dict[str, Any]) -> str:
             "notes:", "- on few cores, worker processes can be slower than the main process for "
             "cached data (every batch is copied through shared memory and the processes share "
             "the cores); workers pay off when a transform does per-sample work"]
+    if r["ram_bytes"] and r["decoded_bytes"] > r["ram_bytes"]:
+        out.append("- the cache is larger than RAM: every epoch reads from disk, so expect the "
+                   "cold (ep1) rates, not the warm ones, in training")
     out += [f"- {n}" for n in r["notes"]]
     return "\n".join(out)
+
+
+def _size_line(r: dict[str, Any]) -> str:
+    """The cache's size against this machine's RAM."""
+    ram = r["ram_bytes"]
+    against = ("RAM unknown" if not ram else
+               f"{r['decoded_bytes'] / ram:.2f}x RAM ({ram / 2**30:.1f} GiB)")
+    fits = "" if not ram else ("; fits in RAM" if r["decoded_bytes"] <= ram else
+                               "; larger than RAM")
+    return (f"cache {r['cache_bytes'] / 1e9:.2f} GB on disk, {r['decoded_bytes'] / 1e9:.2f} GB of "
+            f"fixed-shape columns asked for = {against}{fits}")
+
+
+def _share(kb: int, r: dict[str, Any]) -> str:
+    decoded = r["decoded_bytes"]
+    return "-" if not decoded else f"{kb * 1024 / decoded:.1%}"
