@@ -340,11 +340,19 @@ class CachedDataset:
         for shard, _, rows in self._groups(indices):
             self._reader(shard).will_need(rows, self.columns)
 
-    def read_batch(self, indices: Sequence[int],
-                   ahead: Sequence[int] | None = None) -> dict[str, Any]:
-        """Columns of the given rows, in the given order: arrays of shape (len(indices), ...).
-        ``ahead``: rows a later batch will read, to start reading now (``read_ahead``), after
-        this batch's own rows were asked for."""
+    def read_batch(self, indices: Sequence[int], ahead: Sequence[int] | None = None,
+                   storage_order: bool = False) -> dict[str, Any]:
+        """Columns of the given rows: arrays of shape (len(indices), ...), in the given order.
+
+        Args:
+            indices: the rows.
+            ahead: rows a later batch will read, to start reading now (``read_ahead``), after
+                this batch's own rows were asked for.
+            storage_order: return the same rows in the order they are stored (by shard, then
+                row) instead: each mapped column is then copied once, straight into the batch,
+                not gathered and then put in order (a shuffled batch is as random either way).
+                ``make_loader``'s batches ask for it.
+        """
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
@@ -355,7 +363,7 @@ class CachedDataset:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         schema = self._cache.manifest.schema
         out: dict[str, Any] = {}
-        for name in self.columns:  # fixed-shape columns: filled in place, one copy
+        for name in self.columns:  # fixed-shape columns: filled in place
             spec = schema[name]
             if spec.kind in ("ndarray", "scalar"):
                 out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
@@ -365,24 +373,32 @@ class CachedDataset:
                 self._reader(shard).will_need(rows, self.columns)
         if ahead is not None:
             self.read_ahead(ahead)
+        start = 0
         for shard, positions, rows in groups:
+            if storage_order:  # this group's slots: the next len(rows) of the batch
+                positions = slice(start, start + len(rows))
+                start += len(rows)
             reader = self._reader(shard)
             views = reader.mapped()
             rest = [name for name in self.columns if name not in views]
             for name, view in views.items():
                 if name in out:
-                    out[name][positions] = view[rows]
+                    if storage_order and view.flags.aligned:  # one copy, into the batch
+                        np.take(view, rows, axis=0, out=out[name][positions], mode="clip")
+                    else:  # (take is slow on unaligned data; a slice takes a plain copy)
+                        out[name][positions] = view[rows]
                     self._mapped_read += view.itemsize * view[0].size * len(rows)
             if not rest:
                 continue
             part = reader.read(rows, rest)
             self._account(shard)
+            slots = range(len(indices))[positions] if storage_order else positions.tolist()
             for name, values in part.items():
                 if isinstance(values, np.ndarray):
                     out[name][positions] = values
                     continue
                 column = out.setdefault(name, [None] * len(indices))
-                for position, value in zip(positions.tolist(), values):
+                for position, value in zip(slots, values):
                     column[position] = value
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
         if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
@@ -396,8 +412,9 @@ class CachedDataset:
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        # a later batch of this worker (make_loader's IndexBatch)
-        batch = self.read_batch(indices, ahead=getattr(indices, "ahead", None))
+        # make_loader's IndexBatch: a later batch of this worker, and any order will do
+        batch = self.read_batch(indices, ahead=getattr(indices, "ahead", None),
+                                storage_order=getattr(indices, "storage_order", False))
         if self.transform is None:
             return CachedBatch(batch, len(indices))
         samples = [{name: values[i] for name, values in batch.items()} for i in range(len(indices))]

@@ -53,10 +53,13 @@ def _pin_worker_threads(_: int) -> None:
 
 class IndexBatch(list):
     """The indices of one batch, plus ``ahead``: those of a later batch the same worker will
-    read (``None`` near the end of the epoch). A list, so every dataset and collate accepts it;
-    it keeps ``ahead`` when pickled to a worker."""
+    read (``None`` near the end of the epoch), and ``storage_order``: the dataset may return
+    the samples in the order it stores them (the batch holds the same samples; a shuffled
+    batch is as random in any order). A list, so every dataset and collate accepts it; it
+    keeps its attributes when pickled to a worker."""
 
     ahead: list[int] | None = None
+    storage_order = True
 
 
 class ReadAheadBatches(Sampler[list[int]]):
