@@ -71,9 +71,11 @@ class HDF5ShardReader(ShardReader):
 
     def mapped(self) -> dict[str, np.ndarray]:
         """The fixed-shape and scalar columns HDF5 lets NumPy map (see the class docstring)."""
-        names = [n for n, spec in self.schema.items() if spec.kind in ("ndarray", "scalar")]
-        maps = {name: self._mapped(name) for name in names if name in self._open()}
-        return {name: view for name, view in maps.items() if view is not None}
+        if getattr(self, "_views", None) is None:  # once: h5py lookups cost microseconds each
+            names = [n for n, spec in self.schema.items() if spec.kind in ("ndarray", "scalar")]
+            maps = {name: self._mapped(name) for name in names if name in self._open()}
+            self._views = {name: view for name, view in maps.items() if view is not None}
+        return self._views
 
     def release_pages(self) -> None:
         for view in getattr(self, "_maps", {}).values():
@@ -116,6 +118,7 @@ class HDF5ShardReader(ShardReader):
         return {name: self._read_column(name, idx) for name in names}
 
     def close(self) -> None:
+        self._views = None
         if self._file is not None:
             self._maps = {}
             self._file.close()
