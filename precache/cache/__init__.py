@@ -19,5 +19,6 @@ from precache.cache.manifest import Manifest, ManifestError
 from precache.cache.reader import Cache, load_manifest
 from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
 
-__all__ = ["Cache", "CacheBusyError", "GenerationError", "CacheLayout", "CacheLock", "Manifest", "ManifestError",
+__all__ = ["Cache", "CacheBusyError", "GenerationError", "CacheLayout", "CacheLock", "Manifest",
+           "ManifestError",
            "load_manifest", "read_table", "INDEX_SCHEMA", "ERRORS_SCHEMA", "MARKER", "OWN_NAMES"]

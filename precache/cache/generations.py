@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from precache.cache.manifest import Manifest, ManifestError
 from precache.storage import Store
+from precache.storage.lease import pid_alive
 
 __all__ = ["GenerationError", "ReaderLease", "GENERATIONS", "READERS", "DEFAULT_RETENTION_S",
            "LEASE_TTL_S", "generation_path", "kept_generations", "live_leases", "collect",
@@ -80,16 +81,6 @@ def load_generation(store: Store, generation: int, current: Manifest) -> Manifes
             f"{', '.join(map(str, kept))}; current: {current.generation}); read the current one "
             "(no generation=), and start the epoch over if you were resuming") from None
     return Manifest.from_bytes(data, store.uri(generation_path(generation)))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ReaderLease:
@@ -152,7 +143,7 @@ def live_leases(store: Store) -> dict[int, list[dict[str, Any]]]:
             continue  # released meanwhile
         except (OSError, ValueError, KeyError, TypeError):
             lease, expires, pid = {"name": name}, float("inf"), -1
-        if expires < time.time() or (lease.get("host") == host and not _pid_alive(pid)):
+        if expires < time.time() or (lease.get("host") == host and not pid_alive(pid)):
             continue
         lease["name"] = name
         live.setdefault(int(match.group(1)), []).append(lease)

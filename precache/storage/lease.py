@@ -23,7 +23,7 @@ from typing import Any
 
 from precache.storage.store import Store
 
-__all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S"]
+__all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S", "pid_alive"]
 
 LEASE_FILE = ".writer.json"
 TTL_S = 120.0
@@ -36,7 +36,8 @@ class LeaseLost(RuntimeError):
     """Another run holds (or took over) the remote cache's lease."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -82,7 +83,7 @@ class WriterLease:
     def _stale(self, held: dict[str, Any]) -> bool:
         if time.time() - float(held.get("time", 0)) > self.ttl_s:
             return True
-        return held.get("host") == socket.gethostname() and not _pid_alive(int(held.get("pid", 0)))
+        return held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0)))
 
     def acquire(self) -> None:
         """Take the lease, or raise ``LeaseLost`` naming the run that holds it."""

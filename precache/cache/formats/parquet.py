@@ -94,7 +94,8 @@ def _width(spec: ColumnSpec) -> int:
     return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
 
 
-def mapped_offsets(file: pq.ParquetFile, data: Any, schema: dict[str, ColumnSpec]) -> dict[str, int]:
+def mapped_offsets(file: pq.ParquetFile, data: Any,
+                   schema: dict[str, ColumnSpec]) -> dict[str, int]:
     """Byte offsets in the file of the value runs of the columns that can be mapped.
 
     A column qualifies when it is a fixed-shape or scalar column in one row group, required,
@@ -113,7 +114,8 @@ def mapped_offsets(file: pq.ParquetFile, data: Any, schema: dict[str, ColumnSpec
             continue
         leaf = file.schema.column(j)
         size = rows * _width(spec)
-        if (leaf.max_definition_level or leaf.max_repetition_level or column.compression != "UNCOMPRESSED"
+        if (leaf.max_definition_level or leaf.max_repetition_level
+                or column.compression != "UNCOMPRESSED"
                 or column.dictionary_page_offset is not None or column.num_values != rows):
             continue
         start, total = column.data_page_offset, column.total_compressed_size

@@ -21,7 +21,8 @@ import precache
 from precache.cache import GenerationError
 from precache.cache.generations import kept_generations, live_leases
 from precache.storage import Store
-from tests.conftest import COUNTING_PIPELINE, REPO, launch_ranks, precache_cli, wait_until, write_photos
+from tests.conftest import (COUNTING_PIPELINE, REPO, launch_ranks, precache_cli, wait_until,
+                            write_photos)
 
 ROWS = 40
 
@@ -83,7 +84,7 @@ def test_a_reader_keeps_its_generation_through_a_rerun_and_gc_waits_for_it(tmp_p
         assert first_shards <= shard_files(cache)  # held: nothing of generation 1 went
         gc = precache_cli("gc", str(cache), "--older-than", "0", "--keep", "0")
         assert gc.returncode == 0, gc.stderr
-        assert f"kept generation 1: held by a reader on host" in gc.stdout
+        assert "kept generation 1: held by a reader on host" in gc.stdout
         assert f"pid {holder.pid}" in gc.stdout and first_shards <= shard_files(cache)
         holder.stdin.write("go\n")
         holder.stdin.flush()
@@ -119,7 +120,8 @@ def test_a_killed_reader_holds_nothing_and_gc_dry_run_removes_nothing(tmp_path: 
     before = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
     dry = precache_cli("gc", str(cache), "--older-than", "0", "--dry-run")
     assert dry.returncode == 0 and "would remove generation 1" in dry.stdout, dry.stderr
-    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()) == before
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")
+                  if p.is_file()) == before
     done = precache_cli("gc", str(cache), "--older-than", "0")
     assert done.returncode == 0 and "removed generation 1" in done.stdout
     assert (cache / "generations" / "notes.txt").read_text() == "mine"

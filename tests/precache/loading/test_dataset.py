@@ -133,9 +133,11 @@ def test_parquet_array_columns_are_mapped_not_decoded(cache):
 
 
 def test_parquet_written_in_several_pages_is_decoded_instead_and_reads_the_same(tmp_path):
-    spec = {"image": ColumnSpec("ndarray", "uint8", (8, 8, 3)), "label": ColumnSpec("scalar", "int64")}
+    spec = {"image": ColumnSpec("ndarray", "uint8", (8, 8, 3)),
+            "label": ColumnSpec("scalar", "int64")}
     images = np.random.default_rng(0).integers(0, 255, (50, 8, 8, 3), dtype=np.uint8)
-    ParquetFormat().write(tmp_path / "mapped.parquet", {"image": images, "label": np.arange(50)}, spec)
+    ParquetFormat().write(tmp_path / "mapped.parquet", {"image": images, "label": np.arange(50)},
+                          spec)
     table = pq.read_table(tmp_path / "mapped.parquet")  # the same data, pyarrow's defaults:
     pq.write_table(table.cast(pa.schema([pa.field(f.name, f.type) for f in table.schema])),
                    tmp_path / "paged.parquet", data_page_size=256, compression="snappy")
