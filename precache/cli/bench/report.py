@@ -45,7 +45,8 @@ def format_report(result: dict[str, Any]) -> str:
     if limit:
         out.append(f"limit (np.take of {', '.join(r['limit_columns'])}, {r['bytes_per_sample']:,} "
                    f"B/sample, from memory-mapped .npy into preallocated batches): "
-                   f"{_rate(limit['samples_per_s'])} samples/s warm ({limit['mb_per_s']:,.0f} MB/s; "
+                   f"{_rate(limit['samples_per_s'])} samples/s warm "
+                   f"({limit['mb_per_s']:,.0f} MB/s; "
                    f"runs {' / '.join(_rate(x) for x in limit['runs'])}, faster kept), "
                    f"{_rate(limit['cold_samples_per_s'])} samples/s in its cold epoch 1")
     if per_file["skipped"]:
