@@ -33,6 +33,7 @@ from typing import Any, Callable
 from precache.cache.manifest import Manifest, ManifestError
 from precache.storage import Store
 from precache.storage.lease import pid_alive
+from precache.storage.locations import explained
 
 __all__ = ["GenerationError", "ReaderLease", "GENERATIONS", "READERS", "DEFAULT_RETENTION_S",
            "LEASE_TTL_S", "generation_path", "kept_generations", "live_leases", "collect",
@@ -89,6 +90,14 @@ class ReaderLease:
     Taken on construction; renewed every ``ttl_s / 3`` by a daemon thread; ``release()``
     (also at interpreter exit) deletes it. Only the process that took it renews or deletes
     it: a forked DataLoader worker's copy does nothing.
+
+    Args:
+        store: the cache's files (a local folder or a bucket).
+        generation: the generation held.
+        ttl_s: a lease not renewed for this long is stale (default ``LEASE_TTL_S``).
+
+    Raises:
+        OSError: the lease cannot be written (a read-only cache).
     """
 
     def __init__(self, store: Store, generation: int, *, ttl_s: float = LEASE_TTL_S) -> None:
@@ -121,17 +130,41 @@ class ReaderLease:
         if os.getpid() != self.pid or self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self.release)
+        self._thread.join()  # a renewal under way would write the lease again after the delete
         try:
             self.store.delete(self.name)
         except OSError:
             pass  # it expires on its own
 
 
-def live_leases(store: Store) -> dict[int, list[dict[str, Any]]]:
-    """Generation -> the live reader leases on it (stale ones are left out). A lease file that
-    cannot be read (torn, foreign) counts as live: keeping files is the safe side."""
+def _modified(store: Store, rel: str) -> float | None:
+    """The modification time of file ``rel`` (seconds since the epoch), if the store keeps one."""
+    try:
+        with explained(store.uri(rel)):
+            mtime = store.fs.get_file_info(f"{store.base}/{rel}").mtime
+    except OSError:
+        return None
+    return mtime.timestamp() if mtime is not None else None
+
+
+def live_leases(store: Store, *, ttl_s: float = LEASE_TTL_S) -> dict[int, list[dict[str, Any]]]:
+    """Generation -> the live reader leases on it (stale ones are left out).
+
+    A lease is stale once its ``expires`` time has passed, or, on this host, once its process
+    is gone. A lease file that cannot be read (torn, foreign) counts as live until it is older
+    than ``ttl_s`` by its modification time (for ever if the store keeps none): keeping files
+    is the safe side.
+    """
+    return _scan_leases(store, ttl_s)[0]
+
+
+def _scan_leases(store: Store, ttl_s: float) -> tuple[dict[int, list[dict[str, Any]]], list[str]]:
+    """The live leases by generation (see ``live_leases``), and the names of the stale ones."""
     live: dict[int, list[dict[str, Any]]] = {}
+    stale: list[str] = []
     host = socket.gethostname()
+    now = time.time()
     for name in store.list(READERS):
         match = _LEASE_NAME.fullmatch(name)
         if match is None:
@@ -142,12 +175,15 @@ def live_leases(store: Store) -> dict[int, list[dict[str, Any]]]:
         except FileNotFoundError:
             continue  # released meanwhile
         except (OSError, ValueError, KeyError, TypeError):
-            lease, expires, pid = {"name": name}, float("inf"), -1
-        if expires < time.time() or (lease.get("host") == host and not pid_alive(pid)):
+            modified = _modified(store, f"{READERS}/{name}")
+            expires = float("inf") if modified is None else modified + ttl_s
+            lease, pid = {"host": "?", "pid": "?", "expires": expires, "torn": True}, -1
+        if expires < now or (lease.get("host") == host and not pid_alive(pid)):
+            stale.append(name)
             continue
         lease["name"] = name
         live.setdefault(int(match.group(1)), []).append(lease)
-    return live
+    return live, stale
 
 
 @dataclass
@@ -160,17 +196,25 @@ class Collected:
     freed_bytes: int = 0
 
 
-def _superseded_at(store: Store, generation: int, current: Manifest) -> float:
-    """When ``generation`` stopped being current: the ``created`` time of the next kept
-    manifest after it (0 if none can be read: as old as can be)."""
-    later = [g for g in kept_generations(store) if g > generation] + [current.generation]
-    for g in sorted(set(later)):
-        try:
-            created = load_generation(store, g, current).created
-            return datetime.fromisoformat(created).timestamp()
-        except (ManifestError, ValueError, OSError):
-            continue
-    return 0.0
+def _held_by(leases: list[dict[str, Any]]) -> str:
+    """Why a generation is kept, naming the reader that holds it."""
+    lease = leases[0]
+    if lease.get("torn"):
+        return f"held by an unreadable reader lease ({READERS}/{lease['name']})"
+    expires = float(lease.get("expires", time.time()))
+    until = "?" if expires == float("inf") else datetime.fromtimestamp(expires).strftime("%H:%M")
+    more = f" (and {len(leases) - 1} more)" if len(leases) > 1 else ""
+    return (f"held by a reader on host {lease.get('host', '?')} pid {lease.get('pid', '?')} "
+            f"until {until}{more}")
+
+
+def _created(manifest: Manifest | None) -> float | None:
+    if manifest is None:
+        return None
+    try:
+        return datetime.fromisoformat(manifest.created).timestamp()
+    except ValueError:
+        return None
 
 
 def collect(store: Store, current: Manifest, *, retention_s: float = DEFAULT_RETENTION_S,
@@ -178,48 +222,84 @@ def collect(store: Store, current: Manifest, *, retention_s: float = DEFAULT_RET
             is_own: Callable[[str, str], bool], log: Callable[[str], Any] = print) -> Collected:
     """Remove the superseded generations no reader holds, then the files no kept one names.
 
-    A superseded generation is removed when it was superseded more than ``retention_s`` ago,
-    or when it is beyond the ``keep`` newest superseded ones, and in either case no live
-    reader lease holds it. The caller holds the cache's write lock.
+    A superseded generation is removed when no live reader lease holds it, it was superseded
+    (the ``created`` time of the next generation) more than ``retention_s`` ago, and it is not
+    one of the ``keep`` newest superseded generations (default: no such floor). The caller
+    holds the cache's write lock. A generation's manifest goes before its files, and the leases
+    are read again after that: a reader that took a lease meanwhile either finds the manifest
+    gone (and says so) or is seen here, and its generation is put back.
 
     Args:
+        store: the cache's published files.
+        current: the cache's current manifest (never removed).
+        retention_s: keep generations superseded less than this many seconds ago.
+        keep: keep at least this many of the newest superseded generations, whatever their age.
+        dry_run: decide and report, delete nothing.
         is_own: ``(folder, name) -> bool``, whether precache writes such names there (only
             those are deleted).
-        dry_run: decide and report, delete nothing.
+        log: where a note goes when a kept generation's manifest cannot be read.
     """
-    leases = live_leases(store)
+    leases, stale = _scan_leases(store, LEASE_TTL_S)
     result = Collected()
     superseded = sorted((g for g in kept_generations(store) if g < current.generation),
                         reverse=True)
+    kept_bytes: dict[int, bytes] = {}  # the kept copies, as written (to put one back)
+    manifests: dict[int, Manifest | None] = {current.generation: current}
+    unreadable: dict[int, str] = {}
+    for generation in superseded:
+        rel = generation_path(generation)
+        try:
+            kept_bytes[generation] = store.read_bytes(rel)
+            manifests[generation] = Manifest.from_bytes(kept_bytes[generation], store.uri(rel))
+        except (ManifestError, OSError) as e:
+            manifests[generation], unreadable[generation] = None, str(e)
     now = time.time()
+    newer = _created(current)  # when the newest superseded generation was superseded
     for rank, generation in enumerate(superseded):
-        held = leases.get(generation)
-        if held:
-            lease = held[0]
-            until = datetime.fromtimestamp(float(lease.get("expires", now))).strftime("%H:%M")
-            result.kept[generation] = (f"held by a reader on host {lease.get('host', '?')} "
-                                       f"pid {lease.get('pid', '?')} until {until}")
-            continue
-        age = now - _superseded_at(store, generation, current)
-        beyond = keep is not None and rank >= keep
-        if age < retention_s and not beyond:
-            result.kept[generation] = f"superseded {age:.0f} s ago (kept for {retention_s:.0f} s)"
-            continue
-        result.removed.append(generation)
-    kept_manifests = [current] + [load_generation(store, g, current) for g in result.kept]
-    shards = {s.path for m in kept_manifests for s in m.shards}
-    tables = {m.index["path"] for m in kept_manifests} | {m.errors["path"] for m in kept_manifests}
-    doomed = [generation_path(g) for g in result.removed]
-    doomed += [f"shards/{n}" for n in store.list("shards")
-               if f"shards/{n}" not in shards and is_own("shards", n)]
-    doomed += [n for n in store.list() if n not in tables and is_own("", n)
-               and n.endswith(".parquet")]
-    live_names = {lease["name"] for held in leases.values() for lease in held}
-    doomed += [f"{READERS}/{n}" for n in store.list(READERS)
-               if _LEASE_NAME.fullmatch(n) and n not in live_names]  # stale leases
+        age = now - newer if newer is not None else 0.0  # unknown: as young as can be
+        newer = _created(manifests[generation]) or newer
+        if generation in leases:
+            result.kept[generation] = _held_by(leases[generation])
+        elif keep is not None and rank < keep:
+            result.kept[generation] = f"one of the {keep} newest superseded (--keep {keep})"
+        elif age < retention_s:
+            result.kept[generation] = (f"superseded {age:.0f} s ago (kept for "
+                                       f"{retention_s:.0f} s)")
+        else:
+            result.removed.append(generation)
+    if not dry_run:
+        for generation in result.removed:
+            store.delete(generation_path(generation))  # first: a reader opening it now fails
+        leases, stale = _scan_leases(store, LEASE_TTL_S)  # a reader that took one meanwhile
+        for generation in [g for g in result.removed if g in leases]:
+            result.removed.remove(generation)
+            result.kept[generation] = _held_by(leases[generation])
+            if generation in kept_bytes:
+                store.write_bytes(generation_path(generation), kept_bytes[generation])
+    for generation in result.removed:
+        result.deleted_files.append(generation_path(generation))
+        result.freed_bytes += len(kept_bytes.get(generation, b""))
+    doomed: list[str] = []
+    held_unreadable = sorted(g for g in unreadable if g in result.kept)
+    if held_unreadable:
+        # cannot tell which files a kept generation names: delete no shard and no table
+        first = held_unreadable[0]
+        log(f"precache: kept generation {first} of '{store.url}' has an unreadable manifest "
+            f"({unreadable[first]}); no shard or table was deleted: if no reader needs it, "
+            f"delete '{store.uri(generation_path(first))}' and run `precache gc {store.url}`")
+    else:
+        kept_manifests = [m for g, m in manifests.items()
+                          if m is not None and g not in result.removed]
+        shards = {s.path for m in kept_manifests for s in m.shards}
+        tables = ({m.index["path"] for m in kept_manifests}
+                  | {m.errors["path"] for m in kept_manifests})
+        doomed += [f"shards/{n}" for n in store.list("shards")
+                   if f"shards/{n}" not in shards and is_own("shards", n)]
+        doomed += [n for n in store.list() if n not in tables and is_own("", n)
+                   and n.endswith(".parquet")]
+    doomed += [f"{READERS}/{name}" for name in stale]  # only leases seen to be stale
     for rel in doomed:
-        size = store.size(rel)
-        result.freed_bytes += max(0, size)
+        result.freed_bytes += max(0, store.size(rel))
         result.deleted_files.append(rel)
         if not dry_run:
             store.delete(rel)

@@ -193,8 +193,9 @@ class CacheLayout:
     def foreign_files(self) -> list[str]:
         """Files in the cache's folders that precache did not write (left alone; reported)."""
         found = [name for name in self.store.list() if not self.is_own("", name)]
-        found += [f"shards/{name}" for name in self.store.list("shards")
-                  if not self.is_own("shards", name)]
+        for folder in ("shards", "generations", "readers"):
+            found += [f"{folder}/{name}" for name in self.store.list(folder)
+                      if not self.is_own(folder, name)]
         for folder in (self.journal, self.staging):
             if folder.is_dir():
                 found += [f"{folder.name}/{p.name}" + ("/" if p.is_dir() else "")

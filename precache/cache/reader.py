@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,15 @@ class Cache:
             self.store, generation, current)
         self.lease: ReaderLease | None = None
         if hold:
-            self.lease = ReaderLease(self.store, self.manifest.generation)
+            try:
+                self.lease = ReaderLease(self.store, self.manifest.generation)
+            except OSError as e:  # a read-only cache (or bucket): still readable
+                warnings.warn(
+                    f"could not hold generation {self.manifest.generation} of "
+                    f"'{self.store.url}' (writing a reader lease failed: {e}); reading it "
+                    "anyway: a re-run after the retention period, or `precache gc`, may remove "
+                    "its files while this process reads them", stacklevel=2)
+        if self.lease is not None:
             if (self.manifest.generation != load_manifest(self.store).generation
                     and not self.store.exists(generation_path(self.manifest.generation))):
                 # superseded and collected before the lease was written (collect deletes a
@@ -104,8 +113,8 @@ class Cache:
     def _missing(self, rel: str) -> GenerationError:
         current = load_manifest(self.store).generation
         return GenerationError(
-            f"generation {self.generation} of '{self.store.url}' was removed (by precache gc, "
-            f"--overwrite, or a re-run past the retention period): {rel} is gone; reopen the "
+            f"generation {self.generation} of '{self.store.url}' was removed (by `precache gc`, "
+            f"--overwrite, or a re-run after the retention period): {rel} is gone; reopen the "
             f"cache to read generation {current}")
 
     def __len__(self) -> int:
@@ -129,7 +138,11 @@ class Cache:
     def reader(self, i: int) -> ShardReader:
         """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
         manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
-        reader = self.format.open(self.shard_path(i), self.manifest.schema)
+        try:
+            reader = self.format.open(self.shard_path(i), self.manifest.schema)
+        except FileNotFoundError:  # deleted since shard_path looked
+            self._check_kept(self.manifest.shards[i].path)
+            raise
         if self.disk_cache is not None:
             len(reader)  # open the local copy now: an open file outlives its eviction
         return reader

@@ -361,6 +361,11 @@ class WriteTransaction:
             precache_version=__version__,
         )
         data = manifest.to_bytes()
+        if old is not None and not layout.store.exists(generation_path(old.generation)):
+            # a cache written before generations were kept: keep the one this run supersedes
+            # too, so that its readers' leases hold its files
+            layout.store.write_bytes(generation_path(old.generation),
+                                     layout.store.read_bytes("manifest.json"))
         layout.store.write_bytes(generation_path(generation), data)  # kept for its readers
         layout.store.write_bytes("manifest.json", data)  # last: now it is the cache
         if layout.url is None:
@@ -373,7 +378,12 @@ class WriteTransaction:
         past the retention period, and precache's shards and tables no kept generation names
         (``generations.collect``); then the journal and staging."""
         layout = self.layout
-        collect(layout.store, manifest, retention_s=self.retention_s, is_own=layout.is_own,
-                log=self.log)
+        try:
+            collect(layout.store, manifest, retention_s=self.retention_s, is_own=layout.is_own,
+                    log=self.log)
+        except OSError as e:  # published all the same: the old files wait for the next collect
+            self.log(f"precache: published generation {manifest.generation} of "
+                     f"'{layout.location}', but removing old files failed ({e}); `precache gc "
+                     f"{layout.location}` removes them later")
         layout.clear_local(layout.journal)
         layout.clear_local(layout.staging)

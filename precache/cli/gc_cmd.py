@@ -11,6 +11,8 @@ from precache.cache.lock import CacheLock
 from precache.cache.reader import load_manifest
 from precache.storage import Store
 
+__all__ = ["add_parser", "gc_command", "duration"]
+
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -33,14 +35,19 @@ def count(text: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``precache gc``."""
     parser = subparsers.add_parser(
         "gc", help="remove old generations of a cache that no reader holds",
         description="Every run that publishes keeps the generation it replaces, for readers "
         "still using it (a training job opened before the run) and for a retention period "
         f"(default {DEFAULT_RETENTION_S / 3600:.0f} h). This removes superseded generations "
-        "that no live reader holds and that are older than --older-than or beyond the --keep "
-        "newest, then every shard and table no kept generation names. The current generation "
-        "is never removed. Takes the cache's write lock (fails while a run writes it).",
+        "that no live reader holds, that were superseded longer ago than --older-than and "
+        "that are not among the --keep newest, then every shard and table no kept generation "
+        "names. The current generation is never removed. Takes the cache's write lock (fails "
+        "while a run writes it).",
+        epilog="examples:\n  precache gc cache/ --dry-run\n  precache gc cache/ --older-than 0"
+        "\n  precache gc s3://bucket/cache --older-than 2h --keep 3",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")
     parser.add_argument("--older-than", type=duration, default=DEFAULT_RETENTION_S,
@@ -48,14 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="remove generations superseded longer ago than this (0, 90s, 30m, "
                         "2h, 7d; default 1h)")
     parser.add_argument("--keep", type=count, default=None, metavar="N",
-                        help="also remove all but the N newest superseded generations, "
-                        "whatever their age (default: no limit)")
+                        help="keep the N newest superseded generations whatever their age "
+                        "(default: none kept by count)")
     parser.add_argument("--dry-run", action="store_true",
                         help="say what would be removed; remove nothing")
     parser.set_defaults(handler=gc_command)
 
 
 def gc_command(args: argparse.Namespace) -> int:
+    """Collect under the write lock; one line per generation removed or kept, then the total.
+    A run holding the lock is a ``CacheBusyError`` (exit 1, by the dispatcher)."""
     load_manifest(Store(args.cache))  # not a cache: say so before taking (making) a lock
     layout = CacheLayout.for_output(args.cache)
     with CacheLock(layout):
@@ -67,6 +76,7 @@ def gc_command(args: argparse.Namespace) -> int:
         print(f"{verb} generation {generation}")
     for generation, why in sorted(done.kept.items()):
         print(f"kept generation {generation}: {why}")
+    freed = "would free" if args.dry_run else "freed"
     print(f"current generation {current.generation}; {verb} {len(done.deleted_files)} file(s), "
-          f"{done.freed_bytes / 1e6:.1f} MB")
+          f"{freed} {done.freed_bytes} bytes ({done.freed_bytes / 1e6:.1f} MB)")
     return 0

@@ -4,11 +4,18 @@ only once that reader is gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from pathlib import Path
 
+import pytest
+
 import precache
+from precache.cache import GenerationError
+from precache.storage import Store
+from precache.storage.disk_cache import DiskCache
 from tests.conftest import precache_cli, write_photos
 from tests.precache.cache.test_generations import ROWS, change_most_inputs, start_holder
 from tests.precache.storage.conftest import build, remote_files
@@ -43,3 +50,36 @@ def test_an_s3_reader_keeps_its_generation_and_gc_waits_for_it(s3, bucket: str,
     assert {f for f in files if f.startswith("shards/")} == current
     assert not any(f.startswith("readers/") for f in files)
     assert "generations/manifest-00001.json" not in files
+
+
+def test_an_s3_generation_gone_is_one_line_and_expired_lease_objects_hold_nothing(
+        s3, bucket: str, tmp_path: Path) -> None:
+    photos, url = tmp_path / "photos", f"s3://{bucket}/cache"
+    write_photos(photos, ROWS)
+    build(photos, url)
+    unheld = precache.Cache(url, disk_cache=DiskCache(tmp_path / "disk"))  # nothing downloaded
+    store = Store(url)
+    lease = "readers/gen-00001-trainer-7-41-0123456789ab.json"
+    store.write_bytes(lease, json.dumps({"generation": 1, "host": "trainer-7", "pid": 41,
+                                         "expires": time.time() + 600}).encode())
+    change_most_inputs(photos)
+    build(photos, url)  # retention 0: only the other host's lease keeps generation 1
+    gc = precache_cli("gc", url, "--older-than", "0")
+    assert "kept generation 1: held by a reader on host trainer-7 pid 41 until" in gc.stdout
+    assert len(unheld.reader(0)) == 8  # still there
+    store.write_bytes(lease, json.dumps({"generation": 1, "host": "trainer-7", "pid": 41,
+                                         "expires": time.time() - 1}).encode())
+    dry = precache_cli("gc", url, "--older-than", "0", "--dry-run")
+    assert "would remove generation 1" in dry.stdout and lease in remote_files(s3, url)
+    gc = precache_cli("gc", url, "--older-than", "0")
+    assert gc.returncode == 0 and "removed generation 1" in gc.stdout, gc.stdout + gc.stderr
+    assert not any(f.startswith("readers/") for f in remote_files(s3, url))
+    with pytest.raises(GenerationError) as caught:
+        unheld.reader(1)  # shards/part-00002: not downloaded before it went
+    assert str(caught.value) == (
+        f"generation 1 of '{url}' was removed (by `precache gc`, --overwrite, or a re-run after "
+        "the retention period): shards/part-00002.parquet is gone; reopen the cache to read "
+        "generation 2")
+    with pytest.raises(GenerationError, match=r"has no generation 1 any more \(kept: 2; "
+                                              r"current: 2\)"):
+        precache.Cache(url, generation=1)
