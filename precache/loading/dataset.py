@@ -336,8 +336,11 @@ class CachedDataset:
         if not self._faulting:
             return
         indices = np.asarray(indices, dtype=np.int64)
-        indices = indices[(indices >= 0) & (indices < len(self))]
-        for shard, _, rows in self._groups(indices):
+        self._will_need(self._groups(indices[(indices >= 0) & (indices < len(self))]))
+
+    def _will_need(self, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Hint the mapped columns of these ``_groups`` (one call per shard)."""
+        for shard, _, rows in groups:
             self._reader(shard).will_need(rows, self.columns)
 
     def read_batch(self, indices: Sequence[int], ahead: Sequence[int] | None = None,
@@ -369,8 +372,7 @@ class CachedDataset:
                 out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
         groups = self._groups(indices)
         if self._faulting:  # ask for every row at once: the disk serves them in parallel
-            for shard, _, rows in groups:
-                self._reader(shard).will_need(rows, self.columns)
+            self._will_need(groups)
         if ahead is not None:
             self.read_ahead(ahead)
         start = 0

@@ -6,6 +6,7 @@ Every format stores the same logical schema (see ``precache.cache.schema``); sta
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from abc import ABC, abstractmethod
@@ -19,8 +20,8 @@ from precache.cache.schema import ColumnSpec
 from precache.errors import short_repr
 from precache.storage.hashing import CHECKSUM_FORM, is_checksum
 
-__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "SHARD_PATH_FORM",
-           "check_count"]
+__all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "advise_rows",
+           "SHARD_PATH_FORM", "check_count"]
 
 SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
 """How a shard's path in a manifest looks, for messages."""
@@ -111,6 +112,18 @@ def contiguous_runs(sorted_indices: np.ndarray) -> list[tuple[int, int]]:
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(sorted_indices)]])
     return [(int(sorted_indices[a]), int(sorted_indices[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def advise_rows(mapping: mmap.mmap, start: int, width: int, rows: np.ndarray) -> None:
+    """``madvise(MADV_WILLNEED)`` over ``rows`` of a column whose first row begins at byte
+    ``start`` of ``mapping`` and takes ``width`` bytes: one call per run of consecutive rows,
+    from the page each run begins in (the kernel starts reading and returns at once)."""
+    if not len(rows):
+        return
+    for first, stop in contiguous_runs(np.unique(rows)):
+        begin = start + first * width
+        aligned = begin - begin % mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_WILLNEED, aligned, start + stop * width - aligned)
 
 
 class ShardReader(ABC):

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-from precache.cache.formats.base import ShardFormat, ShardReader, contiguous_runs
+from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows, contiguous_runs
 from precache.cache.schema import ColumnSpec
 
 __all__ = ["HDF5Format", "HDF5ShardReader"]
@@ -56,18 +56,12 @@ class HDF5ShardReader(ShardReader):
 
     def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
         """Ask the kernel to start reading these rows of the mapped columns (see ``mapped``)."""
-        runs = contiguous_runs(np.unique(rows)) if len(rows) else []
         views = self.mapped()
         for name in columns:
             view = views.get(name)
-            if view is None:
-                continue
-            width = view.itemsize * (view.size // max(1, len(view)))
-            start = view.offset % mmap.ALLOCATIONGRANULARITY  # where the data begins in the map
-            for first, stop in runs:
-                begin = start + first * width
-                aligned = begin - begin % mmap.PAGESIZE
-                view._mmap.madvise(mmap.MADV_WILLNEED, aligned, start + stop * width - aligned)
+            if view is not None:  # numpy maps from the allocation boundary below the data
+                advise_rows(view._mmap, view.offset % mmap.ALLOCATIONGRANULARITY,
+                            view.nbytes // max(1, len(view)), rows)
 
     def mapped(self) -> dict[str, np.ndarray]:
         """The fixed-shape and scalar columns HDF5 lets NumPy map (see the class docstring)."""

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from precache.cache.formats.base import ShardFormat, ShardReader, contiguous_runs
+from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows
 from precache.cache.schema import ColumnSpec
 
 __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
@@ -35,7 +35,6 @@ __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KIND
 MAPPED_KINDS = ("ndarray", "scalar")
 """Column kinds written ready to map (fixed width per row)."""
 
-_PAGE = mmap.PAGESIZE
 
 
 class RaggedColumn:
@@ -231,18 +230,11 @@ class ParquetShardReader(ShardReader):
         """Ask the kernel to start reading these rows of the mapped columns into the page cache
         (``madvise(MADV_WILLNEED)``: it returns at once; the reads run in the background), so a
         later batch that gathers them does not wait on the disk."""
-        if self._map is None or not len(rows):
+        if self._map is None:
             return
-        runs = contiguous_runs(np.unique(rows))
         for name in columns:
-            offset = self._offsets.get(name)
-            if offset is None:
-                continue
-            width = _width(self.schema[name])
-            for first, stop in runs:
-                begin = offset + first * width
-                aligned = begin - begin % _PAGE
-                self._map.madvise(mmap.MADV_WILLNEED, aligned, offset + stop * width - aligned)
+            if name in self._offsets:
+                advise_rows(self._map, self._offsets[name], _width(self.schema[name]), rows)
 
     def release_pages(self) -> None:
         if self._map is not None:

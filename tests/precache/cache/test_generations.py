@@ -225,12 +225,18 @@ def test_a_reader_of_a_removed_generation_gets_one_line_naming_the_missing_shard
     unheld = precache.Cache(cache)  # holds nothing
     change_most_inputs(photos)
     build(photos, cache)  # retention 0, no lease: generation 1's changed shards go at once
+    assert_generation_1_removed(cache, unheld, 0)
+
+
+def assert_generation_1_removed(cache: Path | str, unheld: precache.Cache, shard: int) -> None:
+    """Generation 1 of ``cache`` (current: 2) is gone: reading shard ``shard`` through a reader
+    that held nothing, and opening generation 1, are one-line ``GenerationError``s."""
     with pytest.raises(GenerationError) as caught:
-        unheld.reader(0)
+        unheld.reader(shard)
     assert str(caught.value) == (
         f"generation 1 of '{cache}' was removed (by `precache gc`, --overwrite, or a re-run "
-        "after the retention period): shards/part-00001.parquet is gone; reopen the cache to "
-        "read generation 2")
+        f"after the retention period): shards/part-{shard + 1:05d}.parquet is gone; reopen the "
+        "cache to read generation 2")
     with pytest.raises(GenerationError, match=r"^'.*' has no generation 1 any more \(kept: 2; "
                                               r"current: 2\); read the current one"):
         precache.Cache(cache, generation=1)
