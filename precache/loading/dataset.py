@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
+from precache.cache.image_codec import decode_image, encoded_columns
 from precache.cache.manifest import ManifestError
 from precache.cache.formats.base import ShardReader
 from precache.loading.warm import ShardWarmer
@@ -185,6 +186,9 @@ class CachedDataset:
             raise KeyError(f"{self.path}: no column {missing} in this cache; it has {sorted(schema)}")
         self.columns = list(columns) if columns else list(schema)
         self.transform = transform
+        # JPEG/WebP columns (stage 1's image_codec): decoded here, one row at a time
+        self._encoded = {name: codec for name, codec in
+                         encoded_columns(self._cache.manifest.ops).items() if name in self.columns}
         shard_of, row_of = [], []
         for shard, info in enumerate(self._cache.manifest.shards):
             rows = info.live_indices()
@@ -411,7 +415,21 @@ class CachedDataset:
             for reader in self._readers.values():
                 reader.release_pages()
             self._mapped_read = 0
+        for name in self._encoded:
+            out[name] = self._decode(name, out[name], indices)
         return out
+
+    def _decode(self, name: str, values: list[bytes], indices: np.ndarray) -> np.ndarray:
+        """The decoded images of an encoded column, stacked (crops of one cache share a size)."""
+        images = []
+        for value, index in zip(values, indices):
+            try:
+                images.append(decode_image(value))
+            except ValueError as error:
+                shard = int(self._shard[index])
+                raise ValueError(f"{self.path}: row {int(index)} (shard {shard}), column {name!r}: "
+                                 f"{error}; run `precache verify {self.path}`") from None
+        return np.stack(images) if images else np.empty((0, 0, 0, 3), np.uint8)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         # make_loader's IndexBatch: a later batch of this worker, and any order will do
