@@ -2,18 +2,24 @@
 
     precache run faces --input photos/ --output cache/
     precache run faces --input frames.txt --output cache/ --set size=128 --set keep=all
+    precache run faces -i photos/ -o cache/ --set labels=metadata.json --set image_codec=jpeg
+
+Videos: the ``video-faces`` pipeline (``pipelines/faces/video.py``) shares these ops.
 
 Ops: decode -> MTCNN detection -> square crop with a 30% margin -> MediaPipe face mesh on the
 crop -> convex hulls of the facial regions. Columns (see ``precache.faces.topology``):
 ``image`` (size x size x 3 RGB uint8), ``box`` (x0, y0, x1, y1, source pixels, before the
 margin), ``score``, ``landmarks5`` (5 x 2, crop pixels), ``crop_affine`` (2 x 3, source -> crop),
 ``mesh`` (468 x 2, crop pixels, NaN if missing), ``has_mesh``, ``regions`` (R x K x 2 hulls),
-``region_sizes``, ``orig_height``, ``orig_width``. A photo without a face is skipped (``no_face``).
+``region_sizes``, ``orig_height``, ``orig_width``, ``label`` (the first folder under the input,
+``""`` at the top level, or from a metadata file: ``precache.ops.labels``; none with
+``labels=none``). A photo without a face is skipped (``no_face``). With ``image_codec=jpeg`` or
+``webp`` the crop is stored encoded at ``quality`` and ``CachedDataset`` decodes it.
 """
 
 from __future__ import annotations
 
-from precache.ops import IMAGE_EXTENSIONS, DecodeImage, Op
+from precache.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op
 from precache.ops.face_crop import CropFace
 from precache.ops.face_detect import DetectFaces
 from precache.ops.face_mesh import FaceMesh, FaceRegions
@@ -30,16 +36,22 @@ def make_ops(
     detect_size: int = 1024,
     mesh_confidence: float = 0.5,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    labels: str = "folder",
+    image_codec: str = "raw",
+    quality: int = 95,
 ) -> list[Op]:
-    """Detect (``min_face`` pixels and up, on a copy at most ``detect_size`` pixels long; ``keep``
-    = largest or all), crop ``size`` pixels with ``margin`` on each side, mesh and regions."""
+    """Label (``labels``), detect (``min_face`` pixels and up, on a copy at most ``detect_size``
+    pixels long; ``keep`` = largest or all), crop ``size`` pixels with ``margin`` on each side,
+    mesh and regions, store the crop as ``image_codec`` (raw, jpeg, webp)."""
     return [
+        Labels(labels=labels),
         DecodeImage(max_pixels=max_pixels),
         DetectFaces(min_face=min_face, thresholds=thresholds, keep=keep,
                     detect_size=detect_size),
         CropFace(size=size, margin=margin),
         FaceMesh(min_confidence=mesh_confidence),
         FaceRegions(),
+        EncodeImage(codec=image_codec, quality=quality),
     ]
 
 

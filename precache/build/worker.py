@@ -140,7 +140,8 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
                 _fail(records[i], op.name, result)
             elif isinstance(result, list):
                 for j, child in enumerate(result):
-                    child["key"] = f"{sample['key']}#{j}"
+                    if child.get("key", sample["key"]) == sample["key"]:  # else the op named it
+                        child["key"] = f"{sample['key']}#{j}"
                     next_live.append((i, child))
                 if not result:
                     skipped[i] = (op.name, "no rows")

@@ -6,12 +6,16 @@ from precache.ops.base import FunctionOp, Op, OpResult, Sample, Skip
 from precache.ops.face_crop import CropFace
 from precache.ops.face_detect import DetectFaces
 from precache.ops.face_mesh import FaceMesh, FaceRegions
-from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, ResizeCenterCrop
+from precache.ops.image import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, ResizeCenterCrop
+from precache.ops.labels import Labels
 from precache.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
+from precache.ops.video_decode import VIDEO_EXTENSIONS
+from precache.ops.video_faces import VideoFaces
 
 __all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample",
            "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS", "DetectFaces", "CropFace",
-           "FaceMesh", "FaceRegions", "DecodeText", "Tokenize", "TEXT_EXTENSIONS"]
+           "FaceMesh", "FaceRegions", "DecodeText", "Tokenize", "TEXT_EXTENSIONS", "EncodeImage",
+           "Labels", "VideoFaces", "VIDEO_EXTENSIONS"]
 
 OPS: dict[str, type[Op]] = {
     DecodeImage.name: DecodeImage,
@@ -22,6 +26,9 @@ OPS: dict[str, type[Op]] = {
     FaceRegions.name: FaceRegions,
     DecodeText.name: DecodeText,
     Tokenize.name: Tokenize,
+    EncodeImage.name: EncodeImage,
+    Labels.name: Labels,
+    VideoFaces.name: VideoFaces,
 }
 
 

@@ -43,7 +43,8 @@ class Op:
     arguments and return them from ``params``, and implement ``__call__`` (one sample) or, with
     ``batched = True``, ``call_batch`` (a list of samples, e.g. for a model that runs on a batch).
     A call returns the updated sample, a list of samples (one input giving several rows, such as
-    one per face), or raises ``Skip``. Any other exception marks the input as failed.
+    one per face; each keyed ``<key>#<i>`` unless the op gave it a ``key`` of its own, as
+    ``<video>#t<track>#f<frame>``), or raises ``Skip``. Any other exception marks the input as failed.
     """
 
     name: ClassVar[str] = ""

@@ -139,25 +139,32 @@ class MTCNN:
             side *= self.scale_factor
         return scales
 
-    def _proposals(self, image: np.ndarray) -> np.ndarray:
-        """P-Net over the pyramid: candidate boxes (N, 5) with scores in column 4."""
-        height, width = image.shape[:2]
-        found = []
+    def _proposals(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        """P-Net over the pyramid of same-sized images, one batch per level: candidate boxes
+        (N, 5) with scores in column 4, per image."""
+        height, width = images[0].shape[:2]
+        found: list[list[np.ndarray]] = [[] for _ in images]
         for scale in self._scales(height, width):
             size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
-            level = _normalise(cv2.resize(image, size, interpolation=cv2.INTER_AREA))
-            offsets, probs = self._run("pnet", level[None].transpose(0, 2, 1, 3))
-            offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
-            rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
-            if rows.size == 0:
-                continue
-            cells = np.stack([cols, rows], axis=1).astype(np.float64)
-            boxes = np.concatenate([np.fix((2 * cells + 1) / scale), np.fix((2 * cells + 12) / scale)],
-                                   axis=1)
-            scores = probs[rows, cols, 1]
-            keep = _nms(boxes, scores, 0.5)
-            found.append(np.concatenate([boxes[keep], scores[keep, None], offsets[rows, cols][keep]],
-                                        axis=1))
+            levels = np.stack([_normalise(cv2.resize(image, size, interpolation=cv2.INTER_AREA))
+                               for image in images])
+            all_offsets, all_probs = self._run("pnet", levels.transpose(0, 2, 1, 3))
+            for k in range(len(images)):
+                offsets, probs = all_offsets[k].transpose(1, 0, 2), all_probs[k].transpose(1, 0, 2)
+                rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
+                if rows.size == 0:
+                    continue
+                cells = np.stack([cols, rows], axis=1).astype(np.float64)
+                boxes = np.concatenate([np.fix((2 * cells + 1) / scale),
+                                        np.fix((2 * cells + 12) / scale)], axis=1)
+                scores = probs[rows, cols, 1]
+                keep = _nms(boxes, scores, 0.5)
+                found[k].append(np.concatenate([boxes[keep], scores[keep, None],
+                                                offsets[rows, cols][keep]], axis=1))
+        return [self._merge_levels(levels_found) for levels_found in found]
+
+    @staticmethod
+    def _merge_levels(found: list[np.ndarray]) -> np.ndarray:
         if not found:
             return np.empty((0, 5))
         candidates = np.concatenate(found)
@@ -167,36 +174,66 @@ class MTCNN:
         boxes = candidates[:, :4] + candidates[:, 5:9] * np.stack([w, h, w, h], axis=1)
         return np.concatenate([np.fix(_square(boxes)), candidates[:, 4:5]], axis=1)
 
+    def _run_split(self, name: str, images: list[np.ndarray], boxes: list[np.ndarray],
+                   size: int) -> list[list[np.ndarray]]:
+        """Run R-Net or O-Net once over the patches of every image; outputs split per image."""
+        counts = [len(b) for b in boxes]
+        patches = np.concatenate([_patches(image, b, size) for image, b in zip(images, boxes)
+                                  if len(b)])
+        outputs = self._run(name, patches)
+        bounds = np.cumsum([0] + counts)
+        return [[out[bounds[k]:bounds[k + 1]] for out in outputs] for k in range(len(images))]
+
     def detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
-        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty((0, 5, 2), np.float32))
-        boxes = self._proposals(image)
-        if len(boxes) == 0:
-            return empty
-        # R-Net refines every proposal in one batch.
-        offsets, probs = self._run("rnet", _patches(image, boxes[:, :4], 24))
-        keep = probs[:, 1] > self.thresholds[1]
-        boxes, offsets, scores = boxes[keep, :4], offsets[keep], probs[keep, 1]
-        if len(boxes) == 0:
-            return empty
-        keep = _nms(boxes, scores, 0.7)
-        boxes = np.fix(_square(_regress(boxes[keep], offsets[keep])))
+        return self.detect_batch([image])[0]
+
+    def detect_batch(self, images: list[np.ndarray]
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``detect`` for several images of one size (a video's frames): each network runs once
+        per pyramid level (P-Net) or once in all (R-Net, O-Net) for all of them."""
+        if not images:
+            return []
+        if len({image.shape for image in images}) != 1:
+            return [self.detect_batch([image])[0] for image in images]
+        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32),
+                 np.empty((0, 5, 2), np.float32))
+        results = [empty] * len(images)
+        proposals = self._proposals(images)
+        live = [k for k in range(len(images)) if len(proposals[k])]
+        if not live:
+            return results
+        # R-Net refines every proposal of every image in one batch.
+        refined: dict[int, np.ndarray] = {}
+        outputs = self._run_split("rnet", [images[k] for k in live],
+                                  [proposals[k][:, :4] for k in live], 24)
+        for k, (offsets, probs) in zip(live, outputs):
+            keep = probs[:, 1] > self.thresholds[1]
+            boxes, offsets, scores = proposals[k][keep, :4], offsets[keep], probs[keep, 1]
+            if len(boxes):
+                keep = _nms(boxes, scores, 0.7)
+                refined[k] = np.fix(_square(_regress(boxes[keep], offsets[keep])))
+        live = sorted(refined)
+        if not live:
+            return results
         # O-Net scores, regresses and places the five landmarks, again in one batch.
-        offsets, points, probs = self._run("onet", _patches(image, boxes, 48))
-        keep = probs[:, 1] > self.thresholds[2]
-        boxes, offsets, points, scores = boxes[keep], offsets[keep], points[keep], probs[keep, 1]
-        if len(boxes) == 0:
-            return empty
-        w = (boxes[:, 2] - boxes[:, 0] + 1)[:, None]
-        h = (boxes[:, 3] - boxes[:, 1] + 1)[:, None]
-        xs = points[:, 0:5] * w + boxes[:, 0:1] - 1
-        ys = points[:, 5:10] * h + boxes[:, 1:2] - 1
-        boxes = _regress(boxes, offsets)
-        keep = _nms(boxes, scores, 0.7, mode="min")
-        keep = keep[np.argsort(-scores[keep], kind="stable")]
-        landmarks = np.stack([xs, ys], axis=2)
-        return (boxes[keep].astype(np.float32), scores[keep].astype(np.float32),
-                landmarks[keep].astype(np.float32))
+        outputs = self._run_split("onet", [images[k] for k in live], [refined[k] for k in live], 48)
+        for k, (offsets, points, probs) in zip(live, outputs):
+            keep = probs[:, 1] > self.thresholds[2]
+            boxes, offsets, points, scores = refined[k][keep], offsets[keep], points[keep], probs[keep, 1]
+            if len(boxes) == 0:
+                continue
+            w = (boxes[:, 2] - boxes[:, 0] + 1)[:, None]
+            h = (boxes[:, 3] - boxes[:, 1] + 1)[:, None]
+            xs = points[:, 0:5] * w + boxes[:, 0:1] - 1
+            ys = points[:, 5:10] * h + boxes[:, 1:2] - 1
+            boxes = _regress(boxes, offsets)
+            keep = _nms(boxes, scores, 0.7, mode="min")
+            keep = keep[np.argsort(-scores[keep], kind="stable")]
+            landmarks = np.stack([xs, ys], axis=2)
+            results[k] = (boxes[keep].astype(np.float32), scores[keep].astype(np.float32),
+                          landmarks[keep].astype(np.float32))
+        return results
 
 
 class DetectFaces(Op):
@@ -248,17 +285,30 @@ class DetectFaces(Op):
 
     def _detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Detect on a copy shrunk to ``detect_size``; return source-pixel boxes and points."""
-        height, width = image.shape[:2]
-        shrink = min(1.0, self.detect_size / max(height, width)) if self.detect_size else 1.0
+        return self.detect_many([image])[0]
+
+    def detect_many(self, images: list[np.ndarray]
+                    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(boxes, scores, landmarks)`` in source pixels for each image, same-sized images
+        (a video's frames) in one batch per network (``MTCNN.detect_batch``)."""
+        if self.detector is None:
+            self.setup()
         detector = self.detector
         assert detector is not None
+        if not images:
+            return []
+        height, width = images[0].shape[:2]
+        if any(image.shape[:2] != (height, width) for image in images):  # mixed sizes
+            return [self._detect(image) for image in images]
+        shrink = min(1.0, self.detect_size / max(height, width)) if self.detect_size else 1.0
         detector.min_face = max(12.0, self.min_face * shrink)
         if shrink == 1.0:
-            return detector.detect(image)
+            return detector.detect_batch(images)
         size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
-        boxes, scores, landmarks = detector.detect(cv2.resize(image, size, interpolation=cv2.INTER_AREA))
+        small = [cv2.resize(image, size, interpolation=cv2.INTER_AREA) for image in images]
         # Pixel centres: small pixel i covers source pixels around (i + 0.5) / shrink - 0.5.
-        return (boxes + 0.5) / shrink - 0.5, scores, (landmarks + 0.5) / shrink - 0.5
+        return [((boxes + 0.5) / shrink - 0.5, scores, (landmarks + 0.5) / shrink - 0.5)
+                for boxes, scores, landmarks in detector.detect_batch(small)]
 
     def __call__(self, sample: Sample) -> Sample | list[Sample]:
         if self.detector is None:
