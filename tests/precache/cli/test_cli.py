@@ -37,7 +37,9 @@ def test_run_prints_counts_and_inspect_and_verify_agree(photos: Path, tmp_path: 
     assert described["counts"]["ok"] == 24 and len(described["shards"]) == 3
     assert described["schema"]["image"] == {"kind": "ndarray", "dtype": "uint8",
                                             "shape": [32, 32, 3]}
-    assert described["ops"][1]["params"] == {"size": 32}
+    ops = {op["name"]: op for op in described["ops"]}
+    assert ops["resize_center_crop"]["params"] == {"size": 32}
+    assert ops["labels"]["params"] == {"labels": "folder"}
     text = precache_cli("inspect", str(out)).stdout
     assert "fingerprint" in text and "uint8[32, 32, 3]" in text
     ok = precache_cli("verify", str(out))
