@@ -1,0 +1,221 @@
+"""Video decoding, face tracking, batched MTCNN, labels and encoded crops, op by op."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from skimage import data as skdata
+
+from precache.cache.image_codec import decode_image, encode_image, encoded_columns
+from precache.ops.face_track import Detection, gaps_to_detect, iou, link_tracks
+from precache.ops.labels import LabelMissing, Labels, read_label_file
+from precache.ops.video_decode import VideoError, VideoTimeout, read_frames
+
+FRAME = (96, 128)  # height, width
+
+
+def write_video(path: Path, count: int = 30, fps: int = 15, codec: str = "libx264",
+                gaps_ms: tuple[int, ...] | None = None, rotation: int | None = None) -> None:
+    """Frames whose top-left pixel block encodes the frame number (value 8 * i); ``gaps_ms``:
+    variable frame rate, pts in milliseconds cycling through these gaps."""
+    container = av.open(str(path), "w")
+    stream = container.add_stream(codec, rate=fps)
+    stream.height, stream.width = FRAME
+    stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+    if gaps_ms:
+        stream.codec_context.time_base = Fraction(1, 1000)
+    if rotation is not None:
+        stream.set_display_rotation(rotation)
+    pts = 0
+    for i in range(count):
+        image = np.zeros((*FRAME, 3), np.uint8)
+        image[:, : FRAME[1] // 4] = 255  # a white band on the left, to see rotations
+        image[40:56, 60:76] = 8 * i
+        frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+        if gaps_ms:
+            frame.pts, frame.time_base = pts, Fraction(1, 1000)
+            pts += gaps_ms[i % len(gaps_ms)]
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+    container.close()
+
+
+def frame_number(image: np.ndarray) -> int:
+    return int(round(float(image[44:52, 64:72].mean()) / 8))
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("videos")
+    paths = {"cfr": folder / "cfr.mp4", "mjpeg": folder / "mjpeg.avi", "vfr": folder / "vfr.mp4",
+             "rotated": folder / "rotated.mp4"}
+    write_video(paths["cfr"])
+    write_video(paths["mjpeg"], codec="mjpeg")
+    write_video(paths["vfr"], gaps_ms=(40, 40, 40, 200))
+    write_video(paths["rotated"], count=3, rotation=90)
+    return paths
+
+
+def test_frames_are_sampled_evenly_in_time_and_are_the_frames_they_claim(videos) -> None:
+    for name in ("cfr", "mjpeg"):
+        sampled = read_frames(videos[name].read_bytes(), frames=6)
+        assert sampled.frame_count == 30 and sampled.fps == pytest.approx(15)
+        assert sampled.duration_s == pytest.approx(2.0)
+        # slot middles of 6 slots over 2 s: 1/6, 1/2, 5/6, ... s -> frames 2-3, 7-8, 12-13, ...
+        assert np.all(np.abs(sampled.times - (np.arange(6) + 0.5) / 3) <= 0.5 / 15 + 1e-6)
+        assert [frame_number(im) for im in sampled.images] == sampled.indices.tolist()
+        assert np.allclose(sampled.times, sampled.indices / 15)
+        assert sampled.warnings == []
+
+
+def test_variable_frame_rate_is_sampled_by_time_not_by_frame_number(videos) -> None:
+    sampled = read_frames(videos["vfr"].read_bytes(), frames=8)
+    decoded = read_frames(videos["vfr"].read_bytes(), every=1)
+    assert len(set(np.round(np.diff(decoded.times), 3))) == 2  # 40 ms and 200 ms gaps
+    targets = (np.arange(8) + 0.5) * sampled.duration_s / 8
+    for target, t in zip(targets, sampled.times):  # the frame nearest each target time
+        assert abs(t - target) <= np.min(np.abs(decoded.times - target)) + 0.2
+    # evenly spaced frame numbers would differ: time is not proportional to frame number here
+    assert [frame_number(im) for im in sampled.images] == sampled.indices.tolist()
+
+
+def test_every_and_fps_sampling(videos) -> None:
+    data = videos["cfr"].read_bytes()
+    assert read_frames(data, every=7).indices.tolist() == [0, 7, 14, 21, 28]
+    assert read_frames(data, fps=5).indices.tolist() == list(range(0, 30, 3))
+
+
+def test_rotation_metadata_is_applied(videos) -> None:
+    image = read_frames(videos["rotated"].read_bytes(), frames=1).images[0]
+    assert image.shape == (FRAME[1], FRAME[0], 3)  # portrait now
+    bright_rows = np.flatnonzero(image[:, :, 1].mean(axis=1) > 200)
+    # 90 degrees counter-clockwise (FFmpeg's display rotation): the left band is now at the bottom
+    assert bright_rows.min() == FRAME[1] - FRAME[1] // 4 and bright_rows.max() == FRAME[1] - 1
+
+
+def test_unreadable_inputs_raise_video_error_with_the_reason(tmp_path: Path, videos) -> None:
+    with pytest.raises(VideoError, match="empty file"):
+        read_frames(b"")
+    with pytest.raises(VideoError, match="not a readable video"):
+        read_frames(b"these are notes, not a video\n" * 20)
+    audio = tmp_path / "audio.mp4"
+    container = av.open(str(audio), "w")
+    stream = container.add_stream("aac", rate=16000)
+    samples = (np.sin(np.arange(16000) / 5) * 3000).astype(np.int16)[None]
+    for start in range(0, 16000, 1024):
+        frame = av.AudioFrame.from_ndarray(samples[:, start:start + 1024].copy(), format="s16",
+                                           layout="mono")
+        frame.sample_rate = 16000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+    container.close()
+    with pytest.raises(VideoError, match="no video stream.*audio"):
+        read_frames(audio.read_bytes())
+    with pytest.raises(VideoTimeout, match="decode_timeout_s"):
+        read_frames(videos["cfr"].read_bytes(), timeout_s=1e-9)
+
+
+def boxes_at(x: float, y: float, side: float = 40.0) -> np.ndarray:
+    return np.array([x, y, x + side, y + side], np.float32)
+
+
+def detection(frame: int, x: float, y: float, side: float = 40.0) -> Detection:
+    box = boxes_at(x, y, side)
+    return Detection(frame, box, 0.99, np.tile(box[:2], (5, 1)).astype(np.float32))
+
+
+def test_tracker_links_by_overlap_and_interpolates_between_detections() -> None:
+    # two faces far apart, moving right 4 px per sampled frame, detected every 3rd frame
+    rounds = {f: [detection(f, 10 + 4 * f, 10), detection(f, 10 + 4 * f, 150)]
+              for f in (0, 3, 6, 9)}
+    tracks = link_tracks(rounds)
+    assert len(tracks) == 2
+    top = next(t for t in tracks if t.detections[0].box[1] == 10)
+    rows = top.frames()
+    assert [r[0] for r in rows] == list(range(10))
+    assert [r[4] for r in rows] == [f % 3 == 0 for f in range(10)]
+    for f, box, _, points, _ in rows:  # interpolated boxes lie on the true path
+        np.testing.assert_allclose(box, boxes_at(10 + 4 * f, 10), atol=1e-4)
+        np.testing.assert_allclose(points[0], [10 + 4 * f, 10], atol=1e-4)
+    union = top.frames("union")[0][1]
+    np.testing.assert_allclose(union, [10, 10, 10 + 36 + 40, 50])
+    assert gaps_to_detect(tracks, [0, 3, 6, 9]) == []
+
+
+def test_a_cut_ends_a_track_and_starts_another_and_asks_for_the_frames_between() -> None:
+    rounds = {0: [detection(0, 10, 10)], 4: [detection(4, 12, 10)], 8: [detection(8, 200, 120)]}
+    tracks = link_tracks(rounds)
+    assert len(tracks) == 2 and tracks[0].last == 4 and tracks[1].first == 8
+    assert gaps_to_detect(tracks, [0, 4, 8]) == [5, 6, 7]
+    assert iou(boxes_at(0, 0), boxes_at(20, 0))[0, 0] == pytest.approx(20 * 40 / (2 * 1600 - 800))
+
+
+def test_batched_mtcnn_finds_what_it_finds_one_image_at_a_time() -> None:
+    from precache.ops.face_detect import DetectFaces
+
+    detector = DetectFaces(min_face=20)
+    detector.setup()
+    astronaut = skdata.astronaut()
+    frames = [astronaut, np.ascontiguousarray(astronaut[:, ::-1]), np.zeros_like(astronaut)]
+    batched = detector.detect_many(frames)
+    for frame, (boxes, scores, points) in zip(frames, batched):
+        alone = detector._detect(frame)
+        assert len(boxes) == len(alone[0])
+        np.testing.assert_allclose(boxes, alone[0], atol=1e-3)
+        np.testing.assert_allclose(points, alone[2], atol=1e-3)
+    assert len(batched[0][0]) >= 1 and len(batched[2][0]) == 0
+
+
+def sample(key: str) -> dict:
+    return {"key": key, "source_key": key}
+
+
+def test_labels_from_folders_csv_and_dfdc_json(tmp_path: Path) -> None:
+    folder = Labels(labels="folder")
+    assert folder(sample("real/a.mp4"))["label"] == "real"
+    assert folder(sample("a.mp4"))["label"] == ""  # top level: explicitly no label
+    assert "label" not in Labels(labels="none")(sample("real/a.mp4"))
+    csv_file = tmp_path / "meta.csv"
+    csv_file.write_text("file,label\nreal/a.mp4,REAL\nb.mp4,FAKE\n")
+    labels = Labels(labels=str(csv_file))
+    assert labels(sample("real/a.mp4"))["label"] == "REAL"
+    assert labels(sample("deep/folder/b.mp4")) ["label"] == "FAKE"  # by bare file name
+    with pytest.raises(LabelMissing, match="no label for 'c.mp4'.*meta.csv"):
+        labels(sample("c.mp4"))
+    meta = tmp_path / "metadata.json"
+    meta.write_text(json.dumps({"x.mp4": {"label": "FAKE", "original": "y.mp4", "split": "train"},
+                                "y.mp4": {"label": "REAL", "split": "train"}}))
+    dfdc = Labels(labels=str(meta))
+    assert dfdc(sample("x.mp4"))["original"] == "y.mp4"
+    assert dfdc(sample("y.mp4")) == dict(sample("y.mp4"), label="REAL", original="")
+    assert [p.name for p in dfdc.weight_files()] == ["metadata.json"]  # its hash: the fingerprint
+    (tmp_path / "bad.csv").write_text("video,kind\nx,y\n")
+    with pytest.raises(ValueError, match="needs a header with a file column"):
+        read_label_file(tmp_path / "bad.csv")
+    with pytest.raises(ValueError, match="does not exist"):
+        Labels(labels=str(tmp_path / "missing.csv"))
+
+
+def test_jpeg_and_webp_crops_decode_close_to_the_pixels() -> None:
+    crop = np.ascontiguousarray(skdata.astronaut()[60:188, 150:278])
+    for codec in ("jpeg", "webp"):
+        encoded = encode_image(crop, codec, 95)
+        assert len(encoded) < crop.nbytes / 3
+        back = decode_image(encoded)
+        assert back.shape == crop.shape and back.dtype == np.uint8
+        assert np.abs(back.astype(int) - crop).mean() < 4
+    with pytest.raises(ValueError, match="not a JPEG or WebP"):
+        decode_image(b"\x89PNG....")
+    ops = [{"name": "encode_image", "params": {"codec": "jpeg", "quality": 95, "column": "image"}},
+           {"name": "labels", "params": {"labels": "folder"}}]
+    assert encoded_columns(ops) == {"image": "jpeg"}
+    assert encoded_columns([{"name": "encode_image", "params": {"codec": "raw"}}]) == {}
