@@ -44,6 +44,9 @@ class FaceAugment:
     seed in a worker (so workers differ, and ``torch.manual_seed`` makes runs repeatable), from
     ``seed`` in the process that built the object, and from ``seed`` and the pid elsewhere.
 
+    ``same(samples)`` augments several samples with one random draw (the frames of a clip, or a
+    real/fake pair), so they move and change alike.
+
     Args:
         flip_p (float): probability of a horizontal flip. Default: ``0.5``.
         affine_p (float): probability of the affine step. Default: ``0.7``.
@@ -152,9 +155,49 @@ class FaceAugment:
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         """Return an augmented copy of ``sample``; keys other than the face columns pass through."""
         self._reseed_if_new_process()
+        rng = self._compose.random_generator
+        return self._augment(sample, rng, rng)
+
+    def same(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Augment every sample with ONE random draw: the same flip, affine, colour, blur, cutout
+        and region choices for all; returns the augmented copies in order.
+
+        For the frames of a clip (``ClipDataset`` calls it once per clip), or a real/fake pair
+        requested together, which must move and change alike. One seed is drawn from this
+        augment's stream (which advances by that one draw, so successive calls differ); before
+        each sample every random source the steps use (the region steps' and the warp's NumPy
+        generators, and the Albumentations ``Compose``'s NumPy and Python generators, which its
+        steps share) is reseeded from it, then put back. Samples of the same size therefore get
+        identical draws (Albumentations' cutout holes are fractions of the size). Each phase
+        (regions, warp, Albumentations) has its own generator, so what one sample's region step
+        consumes cannot shift another phase's draws.
+
+        A region step picks among the configured regions present in each sample (a hull of at
+        least 3 points), so a region missing from one frame may change that frame's pick (and
+        a sample without a mesh skips the region steps); with the same regions present, every
+        sample edits the same region with the same parameters (each at its own hull).
+        """
+        self._reseed_if_new_process()
+        compose = self._compose
+        generator, py_random = compose.random_generator, compose.py_random
+        seed = int(generator.integers(2**63))
+        out = []
+        try:
+            for sample in samples:
+                compose.set_random_state(np.random.default_rng([seed, 2]), random.Random(seed))
+                out.append(self._augment(sample, np.random.default_rng([seed, 0]),
+                                         np.random.default_rng([seed, 1])))
+        finally:
+            compose.set_random_state(generator, py_random)
+        return out
+
+    def _augment(self, sample: dict[str, Any], region_rng: np.random.Generator,
+                 geometry_rng: np.random.Generator) -> dict[str, Any]:
+        """One sample: region steps (``region_rng``), the warp (``geometry_rng``), then the
+        Albumentations steps (the ``Compose``'s own generators)."""
         out = dict(sample)
-        image = self._augment_regions(sample)
-        matrix, flipped = self._draw_geometry(image.shape[1], image.shape[0])
+        image = self._augment_regions(sample, region_rng)
+        matrix, flipped = self._draw_geometry(image.shape[1], image.shape[0], geometry_rng)
         if matrix is not None:
             image = cv2.warpAffine(image, matrix, (image.shape[1], image.shape[0]),
                                    flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
@@ -172,13 +215,15 @@ class FaceAugment:
             out["image"] = out["image"].copy()
         return out
 
-    def _draw_geometry(self, width: int, height: int) -> tuple[np.ndarray | None, bool]:
-        """The 2 x 3 source -> output matrix of this call's flip and affine (None: neither).
+    def _draw_geometry(self, width: int, height: int, rng: np.random.Generator | None = None,
+                       ) -> tuple[np.ndarray | None, bool]:
+        """The 2 x 3 source -> output matrix of this call's flip and affine (None: neither),
+        drawn from ``rng`` (default: the ``Compose``'s generator).
 
         Pixel centres sit at integers, so a flip maps x to ``width - 1 - x`` and the affine turns
         and scales about ``((width - 1) / 2, (height - 1) / 2)``.
         """
-        rng = self._compose.random_generator
+        rng = self._compose.random_generator if rng is None else rng
         p = self.params
         flipped = bool(rng.random() < p["flip_p"])
         affine = bool(rng.random() < p["affine_p"])
@@ -199,11 +244,13 @@ class FaceAugment:
                           dtype=np.float32)
         return matrix, flipped
 
-    def _augment_regions(self, sample: dict[str, Any]) -> np.ndarray:
-        """Edit pixels inside one region's hull per step, working only on the region's box."""
+    def _augment_regions(self, sample: dict[str, Any],
+                         rng: np.random.Generator | None = None) -> np.ndarray:
+        """Edit pixels inside one region's hull per step, working only on the region's box
+        (draws from ``rng``; default: the ``Compose``'s generator)."""
         image = sample["image"]
         regions, sizes = sample.get("regions"), sample.get("region_sizes")
-        rng = self._compose.random_generator
+        rng = self._compose.random_generator if rng is None else rng
         draws = rng.random(3) < [self.params["region_color_p"], self.params["region_blur_p"],
                                  self.params["occlude_p"]]
         if not draws.any() or regions is None or sizes is None or not sample.get("has_mesh", True):

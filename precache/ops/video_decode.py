@@ -118,7 +118,27 @@ class _Picker:
 
 def _decode(data: bytes, picker: _Picker | None, deadline: float, timeout_s: float,
             max_pixels: int) -> tuple[SampledFrames, list[float]]:
-    """One pass: every frame's time, the picked frames as RGB."""
+    """One pass: every frame's time, the picked frames as RGB. FFmpeg conceals damaged packets
+    (garbled blocks until the next keyframe) and only logs it; its error log is captured (from
+    every decoding thread, printed nowhere) and becomes a warning."""
+    import av.logging
+
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
+        with av.logging.Capture(local=False) as logs:
+            sampled, all_times = _decode_pass(data, picker, deadline, timeout_s, max_pixels)
+    finally:
+        av.logging.set_level(level)
+    errors = [message.strip() for lvl, _, message in logs if lvl <= av.logging.ERROR]
+    if errors:
+        sampled.warnings.append(f"FFmpeg reported {len(errors)} decoding error(s); frames near "
+                                f"them may be damaged (first: {errors[0]})")
+    return sampled, all_times
+
+
+def _decode_pass(data: bytes, picker: _Picker | None, deadline: float, timeout_s: float,
+                 max_pixels: int) -> tuple[SampledFrames, list[float]]:
     import av
 
     container = _open(data)

@@ -1,0 +1,531 @@
+"""Datasets whose items are videos, over a video-faces cache (one row per video, track and frame).
+
+A video-faces cache stores one row per sampled frame of every face track, so a ``CachedDataset``
+over it is a dataset of frames: a long video contributes hundreds of rows, a short one a few, and
+an epoch sees each frame, not each video, once. Models of face videos usually want something else:
+
+- **clip models** (temporal deepfake detectors, video transformers) need T frames of ONE face
+  track, in order, evenly spaced (``ClipDataset``);
+- **per-video balance**: a frame model trained on "k frames per video per epoch" weighs every
+  video the same, however long it is (``VideoFrameDataset``);
+- **exactly once at the video level**: both datasets have one item per video, so ``make_loader``'s
+  ``DistributedShardSampler`` gives every video exactly once per epoch across DDP ranks (up to
+  its pad), and ``CacheLoader.state_dict()`` / ``load_state_dict()`` resume mid-epoch by video.
+
+Both build a ``VideoIndex`` once, reading only the ``video``, ``track``, ``frame_index`` (and
+``label``) columns, and keep it as a few NumPy arrays (no Python object per row), so forked
+DataLoader workers share it. A batch of items is read with ONE ``CachedDataset.read_batch`` of the
+rows its clips need (mapped columns: a gather from the page cache). Each process draws clip starts,
+tracks and frames from its own generator, seeded from ``seed`` and ``torch.initial_seed()`` (which
+DataLoader sets per worker; ``make_loader`` seeds it by rank), so workers and ranks differ, runs
+repeat, and persistent workers draw new clips every epoch. (``make_loader``'s read-ahead hints
+are not used: which rows a later item reads is drawn only when it is read.)
+
+Use::
+
+    from precache.augment import FaceAugment
+    from precache.loading import make_loader
+    from precache.loading.clips import ClipDataset, collate_clips
+
+    clips = ClipDataset("cache/", frames=8, stride=2, transform=FaceAugment())
+    loader = make_loader(clips, batch_size=4, collate_fn=collate_clips)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:  # batch["image"]: (4, 8, H, W, 3) uint8, batch["target"]: (4,)
+            ...
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from precache.cache.image_codec import encoded_columns
+from precache.loading.dataset import CachedDataset
+
+__all__ = ["VideoIndex", "ClipDataset", "VideoFrameDataset", "collate_clips"]
+
+Sample = dict[str, Any]
+
+INDEX_COLUMNS = ("video", "track", "frame_index")
+"""The columns a video-faces cache must have."""
+_CHUNK = 65536  # rows read at a time while building the index
+_STARTS = ("random", "first", "center")
+_TRACKS = ("longest", "random")
+
+
+def _codes(strings: Sequence[str], table: dict[str, int]) -> np.ndarray:
+    """Integer codes of ``strings``, adding unseen ones to ``table`` (string -> code)."""
+    if not len(strings):
+        return np.empty(0, np.int32)
+    distinct, inverse = np.unique(np.asarray(strings, dtype=str), return_inverse=True)
+    lookup = np.array([table.setdefault(s, len(table)) for s in distinct.tolist()], np.int32)
+    return lookup[inverse.reshape(-1)]
+
+
+class VideoIndex:
+    """Which cached rows belong to which video and track, as NumPy arrays.
+
+    Groups are the (video, track) pairs, sorted by video then track; videos are sorted by key.
+
+    Attributes:
+        videos: the video keys, sorted (a NumPy string array, ``V``).
+        labels: the label of each video (its first row's), or ``None`` without a ``label`` column.
+        rows: every cached row index, grouped by (video, track) and sorted by ``frame_index``
+            within a group (int64, ``N``).
+        group_start: where each group starts in ``rows``; one more entry, ``N`` (int64, ``G + 1``).
+        group_track: the track of each group (int64, ``G``).
+        video_group_start: where each video's groups start; one more entry, ``G``
+            (int64, ``V + 1``).
+    """
+
+    def __init__(self, videos: np.ndarray, labels: np.ndarray | None, rows: np.ndarray,
+                 group_start: np.ndarray, group_track: np.ndarray,
+                 video_group_start: np.ndarray) -> None:
+        self.videos, self.labels, self.rows = videos, labels, rows
+        self.group_start, self.group_track = group_start, group_track
+        self.video_group_start = video_group_start
+
+    @classmethod
+    def build(cls, dataset: CachedDataset, chunk: int = _CHUNK) -> VideoIndex:
+        """Read ``video``, ``track``, ``frame_index`` (and ``label`` if the dataset reads it) of
+        every row, ``chunk`` rows at a time, and index them: one pass and a ``lexsort``.
+
+        Args:
+            dataset: a ``CachedDataset`` reading at least the ``INDEX_COLUMNS`` (and no more than
+                it needs: every column it reads is read for every row).
+            chunk: rows per ``read_batch``.
+        """
+        with_label = "label" in dataset.columns
+        names: dict[str, int] = {}
+        label_names: dict[str, int] = {}
+        video_parts, track_parts, frame_parts, label_parts = [], [], [], []
+        for start in range(0, len(dataset), chunk):
+            part = dataset.read_batch(np.arange(start, min(len(dataset), start + chunk)))
+            video_parts.append(_codes(part["video"], names))
+            track_parts.append(np.asarray(part["track"], dtype=np.int64).reshape(-1))
+            frame_parts.append(np.asarray(part["frame_index"], dtype=np.int64).reshape(-1))
+            if with_label:
+                label_parts.append(_codes(part["label"], label_names))
+            del part
+
+        def join(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+        codes, tracks = join(video_parts, np.int32), join(track_parts, np.int64)
+        frames = join(frame_parts, np.int64)
+        # video codes in first-seen order -> ranks in sorted key order
+        seen = np.array(list(names), dtype=str) if names else np.empty(0, dtype=str)
+        by_name = np.argsort(seen, kind="stable")
+        rank = np.empty(len(seen), np.int64)
+        rank[by_name] = np.arange(len(seen))
+        video = rank[codes] if len(codes) else np.empty(0, np.int64)
+        rows = np.lexsort((frames, tracks, video)).astype(np.int64)
+        sorted_video, sorted_track = video[rows], tracks[rows]
+        cuts = np.flatnonzero((np.diff(sorted_video) != 0) | (np.diff(sorted_track) != 0)) + 1
+        group_start = np.concatenate([[0], cuts, [len(rows)]]).astype(np.int64)
+        if not len(rows):
+            group_start = np.zeros(1, np.int64)
+        group_video = sorted_video[group_start[:-1]]
+        video_group_start = np.searchsorted(group_video, np.arange(len(seen) + 1)).astype(np.int64)
+        labels = None
+        if with_label:
+            label_of_row = join(label_parts, np.int32)[rows]
+            first = label_of_row[group_start[video_group_start[:-1]]]  # each video's first row
+            mixed = np.unique(sorted_video[label_of_row != first[sorted_video]])
+            label_table = np.array(list(label_names), dtype=str)
+            labels = label_table[first] if len(first) else np.empty(0, dtype=str)
+            if len(mixed):
+                warnings.warn(f"{getattr(dataset, 'path', 'the cache')}: {len(mixed)} videos have "
+                              f"rows of more than one label (e.g. {seen[by_name][mixed[0]]!r}); "
+                              "each is labelled by its first row", stacklevel=2)
+        return cls(seen[by_name], labels, rows, group_start, sorted_track[group_start[:-1]],
+                   video_group_start)
+
+    def __len__(self) -> int:
+        return len(self.videos)
+
+    def groups(self, video: int) -> range:
+        """The groups (tracks) of video number ``video``."""
+        return range(int(self.video_group_start[video]), int(self.video_group_start[video + 1]))
+
+    def group_rows(self, group: int) -> np.ndarray:
+        """The rows of one group, in frame order (a view)."""
+        return self.rows[self.group_start[group]:self.group_start[group + 1]]
+
+    def video_rows(self, video: int) -> tuple[int, int]:
+        """``(start, stop)`` of the video's rows in ``rows`` (every track, track by track)."""
+        groups = self.groups(video)
+        return int(self.group_start[groups.start]), int(self.group_start[groups.stop])
+
+
+def _take(values: Any, positions: np.ndarray) -> Any:
+    """``values`` at ``positions``: an array (a copy) or a list."""
+    if isinstance(values, np.ndarray):
+        return values[positions]
+    return [values[int(p)] for p in positions]
+
+
+def _stack(values: list[Any]) -> Any:
+    """Per-frame values as one value with a leading frame dimension (lists stay lists)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)
+    if isinstance(first, (np.ndarray, np.generic, bool, int, float)):
+        return np.stack([np.asarray(v) for v in values])
+    return list(values)
+
+
+def collate_clips(samples: list[Sample]) -> dict[str, Any]:
+    """Collate ``ClipDataset`` / ``VideoFrameDataset`` items: arrays and numbers as torch's
+    ``default_collate`` stacks them (``image``: (B, T, H, W, 3)), strings as a list of B, and
+    per-frame string columns (lists of T) as a list of B lists (``default_collate`` would
+    transpose those). Pass it as ``make_loader(..., collate_fn=collate_clips)``."""
+    if not samples:
+        return {}
+    out: dict[str, Any] = {}
+    for name, first in samples[0].items():
+        values = [s[name] for s in samples]
+        if first is None or isinstance(first, (str, bytes, list)):
+            out[name] = values
+        else:
+            out[name] = default_collate(values)
+    return out
+
+
+class _VideoDataset:
+    """What both video datasets share: the index, the inner row dataset, the random stream,
+    the batched read and the output layout."""
+
+    def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None,
+                 transform: Callable[[Sample], Sample] | None, classes: Sequence[str] | None,
+                 seed: int, dataset_options: dict[str, Any]) -> None:
+        self.path = os.fspath(cache)
+        self.transform = transform
+        self.seed = int(seed)
+        options = {k: v for k, v in dataset_options.items() if k not in ("resident", "generation")}
+        generation = dataset_options.get("generation")
+        # Every dataset below reads the generation the first one pinned (under DDP, rank 0's).
+        probe = CachedDataset(cache, resident=False, generation=generation, **options)
+        try:
+            manifest = probe._cache.manifest
+            schema, encoded = manifest.schema, encoded_columns(manifest.ops)
+            missing = [c for c in INDEX_COLUMNS if c not in schema]
+            if missing:
+                raise ValueError(
+                    f"{self.path}: no column {missing}; {type(self).__name__} needs a video-faces "
+                    f"cache (one row per video, track and frame, with columns "
+                    f"{', '.join(INDEX_COLUMNS)}); this cache has {sorted(schema)}")
+            unknown = [c for c in columns or () if c not in schema]
+            if unknown:
+                raise KeyError(f"{self.path}: no column {unknown} in this cache; "
+                               f"it has {sorted(schema)}")
+            self.has_label = "label" in schema
+            index_columns = [*INDEX_COLUMNS, *(["label"] if self.has_label else [])]
+            index_reader = CachedDataset(cache, columns=index_columns, resident=False,
+                                         generation=probe.generation, **options)
+            try:
+                self._index = VideoIndex.build(index_reader)
+            finally:
+                index_reader.close()
+            clip_level = {"video", "label", "track"}  # from the index, not per row
+            if columns is None:  # every fixed-shape column, and the decoded image columns
+                wanted = [n for n, spec in schema.items()
+                          if spec.kind in ("ndarray", "scalar") or n in encoded]
+            else:
+                wanted = list(dict.fromkeys(columns))
+            for name in ("frame_index", "time_s"):
+                if name in schema and name not in wanted:
+                    wanted.append(name)
+            self.frame_columns = [n for n in wanted if n not in clip_level]
+            self._rows = CachedDataset(cache, columns=self.frame_columns,
+                                       generation=probe.generation,
+                                       resident=dataset_options.get("resident"), **options)
+        finally:
+            probe.close()
+        try:
+            self._classes, self._targets = self._label_targets(classes)
+        except BaseException:
+            self._rows.close()
+            raise
+        self._generator: np.random.Generator | None = None
+        self._generator_pid = 0
+
+    def _label_targets(self, classes: Sequence[str] | None) -> tuple[list[str], np.ndarray | None]:
+        """``classes`` (default: the sorted labels) and every video's index into it."""
+        labels = self._index.labels
+        if labels is None:
+            if classes is not None:
+                raise ValueError(f"{self.path}: classes given, but the cache has no label column")
+            return [], None
+        present = np.unique(labels).tolist()
+        names = present if classes is None else list(classes)
+        unknown = sorted(set(present) - set(names))
+        if unknown:
+            raise ValueError(f"{self.path}: labels {unknown} are not in classes {names}")
+        lookup = {name: i for i, name in enumerate(names)}
+        distinct, inverse = np.unique(labels, return_inverse=True)
+        targets = np.array([lookup[name] for name in distinct.tolist()], np.int64)
+        return names, targets[inverse.reshape(-1)]
+
+    # -- what the video datasets answer --------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def videos(self) -> list[str]:
+        """The video keys, in item order (sorted)."""
+        return self._index.videos.tolist()
+
+    @property
+    def labels(self) -> list[str] | None:
+        """The label of every video, in item order (``None`` without a ``label`` column)."""
+        return None if self._index.labels is None else self._index.labels.tolist()
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """``target`` of every video (int64), e.g. for a class-balanced sampler's weights."""
+        return self._targets
+
+    @property
+    def classes(self) -> list[str]:
+        """The label names; ``target`` is an index into it."""
+        return list(self._classes)
+
+    @property
+    def index(self) -> VideoIndex:
+        """The video index (NumPy arrays)."""
+        return self._index
+
+    @property
+    def generation(self) -> int:
+        """The cache generation read (``CacheLoader`` records it with a resumable state)."""
+        return self._rows.generation
+
+    def kept_generations(self) -> list[int]:
+        """The generations of the cache whose files are kept now."""
+        return self._rows.kept_generations()
+
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """The shard of each video's first row, for ``make_loader(shard_window=...)``."""
+        first_rows = self._index.rows[self._index.group_start[self._index.video_group_start[:-1]]]
+        return self._rows.shard_ids[first_rows]
+
+    def close(self) -> None:
+        """Close the cache's shard files and let go of its generation."""
+        self._rows.close()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _rng(self) -> np.random.Generator:
+        """This process's generator: from ``seed`` and ``torch.initial_seed()`` (DataLoader sets
+        it per worker, ``make_loader`` per rank), made again in a new (forked) process."""
+        if self._generator is None or self._generator_pid != os.getpid():
+            self._generator = np.random.default_rng([self.seed, torch.initial_seed()])
+            self._generator_pid = os.getpid()
+        return self._generator
+
+    def _plan(self, video: int, rng: np.random.Generator) -> tuple[np.ndarray, Any, int]:
+        """``(rows in output order, track, valid)`` of one item."""
+        raise NotImplementedError
+
+    def _apply(self, frames: list[Sample]) -> list[Sample]:
+        """The transform on one item's frames."""
+        assert self.transform is not None
+        return [self.transform(frame) for frame in frames]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        """The items of a batch: their rows are read in one ``read_batch``."""
+        size = len(self)
+        videos = []
+        for i in indices:
+            i = int(i)
+            if not -size <= i < size:
+                raise IndexError(f"video index {i} out of range for {size} videos")
+            videos.append(i + size if i < 0 else i)
+        rng = self._rng()
+        plans = [self._plan(v, rng) for v in videos]
+        if not plans:
+            return []
+        wanted = np.concatenate([rows for rows, _, _ in plans])
+        unique, inverse = np.unique(wanted, return_inverse=True)
+        batch = self._rows.read_batch(unique)  # one read for the whole batch, rows ascending
+        inverse = inverse.reshape(-1)
+        out, start = [], 0
+        for video, (rows, track, valid) in zip(videos, plans):
+            positions = inverse[start:start + len(rows)]
+            start += len(rows)
+            frames = {name: _take(values, positions) for name, values in batch.items()}
+            if self.transform is not None:
+                each = [{name: values[t] for name, values in frames.items()}
+                        for t in range(len(rows))]
+                done = self._apply(each)
+                frames = {name: _stack([frame[name] for frame in done]) for name in done[0]}
+            item: Sample = dict(frames)
+            item["video"] = str(self._index.videos[video])
+            item["track"] = track
+            if self.has_label:
+                item["label"] = str(self._index.labels[video])
+                item["target"] = np.int64(self._targets[video])
+            item["valid"] = valid
+            out.append(item)
+        return out
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.__getitems__([index])[0]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}('{self.path}', {len(self)} videos)"
+
+
+class ClipDataset(_VideoDataset):
+    """Clips of one face track per video: T frames, in order, ``stride`` cached frames apart.
+
+    Item ``i`` is video ``videos[i]`` (sorted keys). It picks one track of the video, then
+    ``frames`` of its rows spaced ``stride`` rows apart (the track's cached frames, sorted by
+    ``frame_index``), from a start chosen by ``start``. A track with fewer rows than a clip spans
+    (``(frames - 1) * stride + 1``) gives the frames it has from its first one and repeats its last
+    to fill the clip; ``valid`` says how many are real.
+
+    An item is a dict:
+
+    - every per-frame column read, stacked with a leading T: ``image`` (T, H, W, 3) uint8,
+      ``landmarks5`` (T, 5, 2), ..., ``frame_index`` (T,) int64, ``time_s`` (T,) float64
+      (string columns asked for by name: a list of T);
+    - ``video`` (str), ``track`` (int), ``label`` (str), ``target`` (np.int64, the index of
+      ``label`` in ``classes``), ``valid`` (int, real frames; the rest repeat the last).
+      Without a ``label`` column there are no ``label`` and ``target``.
+
+    Collate with ``collate_clips`` (``make_loader(ClipDataset(...), batch_size=4,
+    collate_fn=collate_clips)``): ``image`` (B, T, H, W, 3), strings as lists.
+
+    Args:
+        cache: a video-faces cache: one row per (video, track, frame) with columns ``video``
+            (str), ``track`` (int), ``frame_index`` (int), and usually ``label`` (str),
+            ``time_s``, ``image``.
+        frames: T, the frames of a clip. Default ``8``.
+        stride: rows (cached frames) between consecutive clip frames. Default ``1``.
+        start: where a clip starts in its track: ``"random"`` (uniform over the starts that
+            fit, new on every call), ``"first"`` (the first frame: deterministic) or
+            ``"center"`` (centred in the track). Default ``"random"``.
+        track: ``"longest"`` (the track with the most cached frames; the lowest track number on
+            a tie) or ``"random"`` (uniform over the video's tracks). Default ``"longest"``.
+        columns: per-frame columns to read (default: every fixed-shape column and image column;
+            ``frame_index`` and ``time_s`` are always read). Reading fewer reads fewer bytes.
+        transform: applied to the frames of a clip: with a ``same(samples) -> samples`` method
+            (``FaceAugment``), once per clip, so every frame gets the same random draw;
+            otherwise called on each frame dict. Frame dicts hold the per-frame columns.
+        classes: label names, in ``target`` order (default: the sorted labels of the cache).
+        seed: mixed into every process's random stream (with ``torch.initial_seed()``).
+        **dataset_options: passed to the inner ``CachedDataset`` (``generation``,
+            ``max_decoded_bytes``, ``disk_cache_dir``, ...).
+
+    Raises:
+        ValueError: the cache is not a video-faces cache (no ``video``, ``track`` or
+            ``frame_index`` column); ``frames`` or ``stride`` below 1; an unknown ``start`` or
+            ``track``; labels missing from ``classes``.
+        KeyError: a requested column is not in the cache.
+    """
+
+    def __init__(self, cache: str | os.PathLike[str], frames: int = 8, stride: int = 1,
+                 start: str = "random", track: str = "longest",
+                 columns: Sequence[str] | None = None,
+                 transform: Callable[[Sample], Sample] | None = None,
+                 classes: Sequence[str] | None = None, seed: int = 0,
+                 **dataset_options: Any) -> None:
+        if int(frames) < 1:
+            raise ValueError(f"frames must be at least 1, not {frames}")
+        if int(stride) < 1:
+            raise ValueError(f"stride must be at least 1, not {stride}")
+        if start not in _STARTS:
+            raise ValueError(f"start must be one of {_STARTS}, not {start!r}")
+        if track not in _TRACKS:
+            raise ValueError(f"track must be one of {_TRACKS}, not {track!r}")
+        self.frames, self.stride, self.start, self.track = int(frames), int(stride), start, track
+        super().__init__(cache, columns, transform, classes, seed, dataset_options)
+
+    def _plan(self, video: int, rng: np.random.Generator) -> tuple[np.ndarray, Any, int]:
+        index = self._index
+        groups = index.groups(video)
+        lengths = np.diff(index.group_start[groups.start:groups.stop + 1])
+        if self.track == "longest":
+            group = groups.start + int(np.argmax(lengths))  # the first maximum: lowest track
+        else:
+            group = groups.start + int(rng.integers(len(groups)))
+        count = int(lengths[group - groups.start])
+        span = (self.frames - 1) * self.stride + 1
+        steps = np.arange(self.frames, dtype=np.int64)
+        if count >= span:
+            first = {"random": lambda: int(rng.integers(count - span + 1)),
+                     "first": lambda: 0,
+                     "center": lambda: (count - span) // 2}[self.start]()
+            positions, valid = first + steps * self.stride, self.frames
+        else:  # short track: what it has from its first frame, then its last one again
+            valid = (count - 1) // self.stride + 1
+            positions = np.minimum(steps, valid - 1) * self.stride
+        return index.group_rows(group)[positions], int(index.group_track[group]), valid
+
+    def _apply(self, frames: list[Sample]) -> list[Sample]:
+        same = getattr(self.transform, "same", None)
+        if callable(same):
+            return same(frames)
+        return super()._apply(frames)
+
+
+class VideoFrameDataset(_VideoDataset):
+    """``frames_per_video`` random frames of each video per epoch, from any of its tracks.
+
+    Item ``i`` is video ``videos[i]``: k rows of it chosen at random on every call (without
+    replacement when it has k; else all its rows plus random repeats), sorted by track and
+    frame, so a long video contributes as many frames per epoch as a short one. The transform
+    runs on each frame independently (no shared draw).
+
+    An item has ``ClipDataset``'s layout with k in place of T, except that ``track`` is per
+    frame (a (k,) int64 array) and ``valid`` is the number of distinct rows (``min(k, rows)``).
+
+    Args:
+        cache: a video-faces cache (see ``ClipDataset``).
+        frames_per_video: k, frames per video per item. Default ``4``.
+        columns: per-frame columns to read (default: every fixed-shape column and image column;
+            ``frame_index`` and ``time_s`` are always read).
+        transform: called on each frame dict.
+        classes: label names, in ``target`` order (default: the sorted labels of the cache).
+        seed: mixed into every process's random stream (with ``torch.initial_seed()``).
+        **dataset_options: passed to the inner ``CachedDataset``.
+
+    Raises:
+        ValueError: the cache is not a video-faces cache; ``frames_per_video`` below 1; labels
+            missing from ``classes``.
+        KeyError: a requested column is not in the cache.
+    """
+
+    def __init__(self, cache: str | os.PathLike[str], frames_per_video: int = 4,
+                 columns: Sequence[str] | None = None,
+                 transform: Callable[[Sample], Sample] | None = None,
+                 classes: Sequence[str] | None = None, seed: int = 0,
+                 **dataset_options: Any) -> None:
+        if int(frames_per_video) < 1:
+            raise ValueError(f"frames_per_video must be at least 1, not {frames_per_video}")
+        self.frames_per_video = int(frames_per_video)
+        super().__init__(cache, columns, transform, classes, seed, dataset_options)
+
+    def _plan(self, video: int, rng: np.random.Generator) -> tuple[np.ndarray, Any, int]:
+        index = self._index
+        start, stop = index.video_rows(video)
+        count, k = stop - start, self.frames_per_video
+        if count >= k:
+            positions = np.sort(rng.choice(count, k, replace=False))
+        else:
+            positions = np.sort(np.concatenate([np.arange(count),
+                                                rng.integers(0, count, k - count)]))
+        at = start + positions
+        groups = np.searchsorted(index.group_start, at, side="right") - 1
+        return index.rows[at], index.group_track[groups].astype(np.int64), min(count, k)
