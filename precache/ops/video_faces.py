@@ -7,8 +7,8 @@ stage 2 maps from the shard, a frame dataset and a clip dataset read from the sa
 rows of one video are stored together in frame order, so a clip is one contiguous read.
 
 Columns added: ``image`` (the crop), ``box`` (x0, y0, x1, y1 source pixels, before the margin),
-``score``, ``landmarks5`` (crop pixels), ``crop_affine`` (source -> crop), ``detected`` (False
-where the box was interpolated between detections), ``video``, ``track``, ``frame_index``,
+``score``, ``landmarks5`` (crop pixels), ``crop_affine`` (source -> crop), ``detected`` (True
+where the whole cascade found the face, False where O-Net followed it from the previous frame), ``video``, ``track``, ``frame_index``,
 ``time_s``, ``fps``, ``duration_s``, ``frame_count`` (decoded), ``orig_height``, ``orig_width``,
 ``warning`` (what was wrong with the video but did not stop it, else ``""``). A video with no
 face is skipped (``no_face``).
@@ -23,7 +23,7 @@ import numpy as np
 from precache.ops.base import Op, Sample, Skip
 from precache.ops.face_crop import CropFace
 from precache.ops.face_detect import DetectFaces, mtcnn_weight_files
-from precache.ops.face_track import BOX_MODES, Detection, gaps_to_detect, link_tracks
+from precache.ops.face_track import BOX_MODES, Detection, track_faces
 from precache.ops.video_decode import read_frames
 
 __all__ = ["VideoFaces"]
@@ -36,9 +36,10 @@ class VideoFaces(Op):
         frames: frames sampled evenly in time (used when ``every`` and ``fps`` are 0).
         every: sample every k-th decoded frame instead.
         fps: sample this many frames per second instead.
-        detect_every: run MTCNN on every k-th sampled frame (all in one batch) and fill the
-            frames between by interpolation; where the faces present change, the frames
-            between are detected too. 1: detect on every sampled frame.
+        detect_every: run the whole MTCNN cascade on every k-th sampled frame (R-Net and O-Net
+            over the candidates of all of them at once) and follow each face through the frames
+            between with O-Net alone (``precache.ops.face_track``). 1: the cascade on every
+            sampled frame.
         keep: ``largest`` (the track with the largest mean box) or ``all`` tracks.
         track_box: ``frame``, ``smooth`` or ``union`` (``precache.ops.face_track``).
         min_iou: box overlap that links a detection to a track.
@@ -104,15 +105,15 @@ class VideoFaces(Op):
         video = read_frames(sample["data"], frames=self.frames, every=self.every, fps=self.fps,
                             timeout_s=self.decode_timeout_s, max_pixels=self.max_pixels)
         count = len(video.images)
-        rounds = list(range(0, count, self.detect_every))
-        if rounds[-1] != count - 1:
-            rounds.append(count - 1)  # the last frame too, so no track ends in a guess
-        detections = self._detections(video.images, rounds)
-        tracks = link_tracks(detections, self.min_iou)
-        extra = gaps_to_detect(tracks, rounds)
-        if extra:  # faces appear or leave between two rounds: find the frame where
-            detections.update(self._detections(video.images, extra))
-            tracks = link_tracks(detections, self.min_iou)
+        rounds = sorted(set(range(0, count, self.detect_every)) | {count - 1})
+
+        def refine(frame: int, boxes: np.ndarray) -> list[Detection]:
+            found, scores, points = self.detect.refine_many([video.images[frame]], [boxes])[0]
+            return [Detection(frame, found[i], float(scores[i]), points[i], detected=False)
+                    for i in range(len(found))]
+
+        tracks = track_faces(count, self._detections(video.images, rounds), refine,
+                             min_iou=self.min_iou, min_score=self.detect.thresholds[2])
         if not tracks:
             raise Skip("no_face")
         if self.keep == "largest":

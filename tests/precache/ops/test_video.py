@@ -12,7 +12,7 @@ import pytest
 from skimage import data as skdata
 
 from precache.cache.image_codec import decode_image, encode_image, encoded_columns
-from precache.ops.face_track import Detection, gaps_to_detect, iou, link_tracks
+from precache.ops.face_track import Detection, iou, link_tracks, track_faces
 from precache.ops.labels import LabelMissing, Labels, read_label_file
 from precache.ops.video_decode import VideoError, VideoTimeout, read_frames
 
@@ -148,15 +148,57 @@ def test_tracker_links_by_overlap_and_interpolates_between_detections() -> None:
         np.testing.assert_allclose(points[0], [10 + 4 * f, 10], atol=1e-4)
     union = top.frames("union")[0][1]
     np.testing.assert_allclose(union, [10, 10, 10 + 36 + 40, 50])
-    assert gaps_to_detect(tracks, [0, 3, 6, 9]) == []
-
-
-def test_a_cut_ends_a_track_and_starts_another_and_asks_for_the_frames_between() -> None:
-    rounds = {0: [detection(0, 10, 10)], 4: [detection(4, 12, 10)], 8: [detection(8, 200, 120)]}
-    tracks = link_tracks(rounds)
-    assert len(tracks) == 2 and tracks[0].last == 4 and tracks[1].first == 8
-    assert gaps_to_detect(tracks, [0, 4, 8]) == [5, 6, 7]
     assert iou(boxes_at(0, 0), boxes_at(20, 0))[0, 0] == pytest.approx(20 * 40 / (2 * 1600 - 800))
+
+
+class Scene:
+    """A fake O-Net for track_faces: faces at known places per frame; ``refine`` finds the face
+    nearest a given box (score 0.99) if it overlaps it, else scores 0.1. Records its calls."""
+
+    def __init__(self, faces: dict[int, list[tuple[float, float]]]) -> None:
+        self.faces, self.calls = faces, []
+
+    def detect(self, frames: list[int]) -> dict[int, list[Detection]]:
+        return {f: [detection(f, x, y) for x, y in self.faces.get(f, [])] for f in frames}
+
+    def refine(self, frame: int, boxes: np.ndarray) -> list[Detection]:
+        self.calls.append(frame)
+        out = []
+        for box in boxes:
+            here = [detection(frame, x, y) for x, y in self.faces.get(frame, [])]
+            best = max(here, key=lambda d: iou(box, d.box)[0, 0], default=None)
+            if best is not None and iou(box, best.box)[0, 0] > 0.2:
+                out.append(Detection(frame, best.box, 0.99, best.landmarks, detected=False))
+            else:
+                out.append(Detection(frame, box, 0.1, np.zeros((5, 2), np.float32), False))
+        return out
+
+
+def test_faces_are_followed_between_detections_and_traced_back_to_where_they_appear() -> None:
+    # face A moves right 8 px a frame over frames 0-11; face B enters at frame 6 (between the
+    # full detections at 0, 4, 8, 11) far away; a cut at frame 10 ends A (it is gone)
+    faces = {f: [(10 + 8 * f, 10)] for f in range(10)}
+    for f in range(6, 12):
+        faces.setdefault(f, []).append((200.0, 120.0))
+    scene = Scene(faces)
+    rounds = [0, 4, 8, 11]
+    tracks = track_faces(12, scene.detect(rounds), scene.refine)
+    assert len(tracks) == 2
+    a, b = tracks
+    assert sorted(a.detections) == list(range(10))  # followed by O-Net to its last frame
+    assert sorted(b.detections) == list(range(6, 12))  # traced back from frame 8 to frame 6
+    assert [d.detected for _, d in sorted(a.detections.items())] == [f in rounds for f in range(10)]
+    for f, d in a.detections.items():  # measured boxes, not interpolated ones
+        np.testing.assert_allclose(d.box, boxes_at(10 + 8 * f, 10))
+    assert {5, 4} & set(scene.calls) == {5}  # frame 5 looked at (B traced back), 4 never refined
+
+
+def test_two_tracks_that_converge_on_one_face_become_one() -> None:
+    faces = {f: [(50.0, 50.0)] for f in range(6)}
+    scene = Scene(faces)
+    found = {0: [detection(0, 50, 50), detection(0, 60, 55)]}  # a duplicate at frame 0
+    tracks = track_faces(6, found, scene.refine)
+    assert sum(len(t.detections) > 1 for t in tracks) == 1
 
 
 def test_batched_mtcnn_finds_what_it_finds_one_image_at_a_time() -> None:
