@@ -29,7 +29,7 @@ def make_ops(
     frames: int = 32,
     every: int = 0,
     fps: float = 0.0,
-    detect_every: int = 4,
+    detect_every: int = 8,
     keep: str = "largest",
     track_box: str = "frame",
     size: int = 224,

@@ -341,25 +341,12 @@ class DetectFaces(Op):
 
     def refine_many(self, images: list[np.ndarray], boxes: list[np.ndarray]
                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``MTCNN.refine`` on each image's boxes (source pixels in and out), on the same
-        shrunk copies ``detect_many`` uses."""
+        """``MTCNN.refine`` on each image's boxes, in source pixels: O-Net's patch is cut from
+        the full-size image (no shrunk copy of the whole frame is needed for one patch)."""
         if self.detector is None:
             self.setup()
-        detector = self.detector
-        assert detector is not None
-        if not images:
-            return []
-        height, width = images[0].shape[:2]
-        shrink = min(1.0, self.detect_size / max(height, width)) if self.detect_size else 1.0
-        if shrink == 1.0 or any(image.shape[:2] != (height, width) for image in images):
-            if shrink != 1.0:
-                return [self.refine_many([im], [b])[0] for im, b in zip(images, boxes)]
-            return detector.refine(images, boxes)
-        size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
-        small = [cv2.resize(image, size, interpolation=cv2.INTER_AREA) for image in images]
-        small_boxes = [(np.asarray(b, np.float64) + 0.5) * shrink - 0.5 for b in boxes]
-        return [((b + 0.5) / shrink - 0.5, s, (p + 0.5) / shrink - 0.5)
-                for b, s, p in detector.refine(small, small_boxes)]
+        assert self.detector is not None
+        return self.detector.refine(images, boxes)
 
     def __call__(self, sample: Sample) -> Sample | list[Sample]:
         if self.detector is None:

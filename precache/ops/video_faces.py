@@ -53,7 +53,7 @@ class VideoFaces(Op):
     version = "1"
 
     def __init__(self, *, frames: int = 32, every: int = 0, fps: float = 0.0,
-                 detect_every: int = 4, keep: str = "largest", track_box: str = "frame",
+                 detect_every: int = 8, keep: str = "largest", track_box: str = "frame",
                  min_iou: float = 0.3, min_face: int = 20,
                  thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7), detect_size: int = 640,
                  size: int = 224, margin: float = 0.3, decode_timeout_s: float = 120.0,

@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--frames", type=int, default=32, help="sampled frames per video")
-    p.add_argument("--detect-every", type=int, default=4)
+    p.add_argument("--detect-every", type=int, default=8)
     p.add_argument("--clips", type=int, default=64, help="clips read per stage-2 measurement")
     args = p.parse_args()
     pin_threads()
