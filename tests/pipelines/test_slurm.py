@@ -90,3 +90,37 @@ def test_plain_srun_tasks_without_torchrun_form_one_group_across_nodes(slurm, fa
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 2)]
     train = training_keys(face_cache)
     assert_each_sample_once_per_epoch(seen_keys(keys_dir, 2), train, epochs=1, pad=len(train) % 2)
+
+
+@pytest.fixture(scope="module")
+def video_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A video-faces cache of 8 short sample videos (4 real, 4 fakes of them)."""
+    import importlib.util
+
+    from tests.conftest import precache_cli
+
+    root = tmp_path_factory.mktemp("slurm_videos")
+    spec = importlib.util.spec_from_file_location("make_videos", REPO / "data" / "make_videos.py")
+    make_videos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_videos)
+    make_videos.write_videos(root / "videos", per_label=4, seconds=1.0)
+    done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
+                        "--set", "size=32", "--set", "frames=4", "-q", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "cache"
+
+
+@pytest.mark.slow
+def test_the_classifier_script_shares_the_videos_of_each_epoch_across_2_nodes(
+        slurm, video_cache, tmp_path):
+    out, keys_dir = tmp_path / "run", tmp_path / "keys"
+    submit(slurm, SLURM / "classifier_2nodes_x1gpu.sbatch", tmp_path, CACHE=str(video_cache),
+           OUT=str(out), EPOCHS="1", BATCH_SIZE="1",
+           TRAIN_ARGS=f"--workers 0 --frames-per-video 2 --log-keys {keys_dir}")
+    metrics = read_metrics(out)
+    assert [(r["epoch"], r["world_size"]) for r in metrics] == [(0, 2)]
+    assert metrics[0]["val_videos"] >= 2
+    seen = seen_keys(keys_dir, 2)
+    train = sorted({video for rank in seen for keys in rank.values() for video in keys})
+    assert len(train) == 8 - metrics[0]["val_videos"]
+    assert_each_sample_once_per_epoch(seen, train, epochs=1, pad=len(train) % 2)
