@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Detection", "Track", "track_faces", "link_tracks", "iou", "BOX_MODES"]
+__all__ = ["Detection", "Track", "track_faces", "iou", "BOX_MODES"]
 
 BOX_MODES = ("frame", "smooth", "union")
 
@@ -100,39 +100,6 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
     area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
-
-
-def link_tracks(detections: dict[int, list[Detection]], min_iou: float = 0.3) -> list[Track]:
-    """Link the detections of the detected frames (frame -> its faces) into tracks, numbered
-    in order of first appearance. A track not matched in two detection rounds in a row ends."""
-    tracks: list[Track] = []
-    active: list[tuple[Track, int]] = []  # (track, detection rounds since it was last matched)
-    for frame in sorted(detections):
-        found = detections[frame]
-        if active and found:
-            overlap = iou(np.array([t.detections[t.last].box for t, _ in active]),
-                          np.array([d.box for d in found]))
-        else:
-            overlap = np.zeros((len(active), len(found)))
-        matched_tracks: set[int] = set()
-        matched_faces: set[int] = set()
-        for flat in np.argsort(-overlap, axis=None):
-            i, j = divmod(int(flat), max(1, len(found)))
-            if overlap[i, j] < min_iou:
-                break
-            if i in matched_tracks or j in matched_faces:
-                continue
-            active[i][0].detections[frame] = found[j]
-            matched_tracks.add(i)
-            matched_faces.add(j)
-        still = [(t, 0 if i in matched_tracks else missed + 1) for i, (t, missed) in enumerate(active)]
-        active = [(t, missed) for t, missed in still if missed < 2]
-        for j, face in enumerate(found):
-            if j not in matched_faces:
-                track = Track(len(tracks), {frame: face})
-                tracks.append(track)
-                active.append((track, 0))
-    return tracks
 
 
 Refine = Callable[[int, np.ndarray], list[Detection]]

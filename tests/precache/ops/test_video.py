@@ -12,7 +12,7 @@ import pytest
 from skimage import data as skdata
 
 from precache.cache.image_codec import decode_image, encode_image, encoded_columns
-from precache.ops.face_track import Detection, iou, link_tracks, track_faces
+from precache.ops.face_track import Detection, Track, iou, track_faces
 from precache.ops.labels import LabelMissing, Labels, read_label_file
 from precache.ops.video_decode import VideoError, VideoTimeout, read_frames
 
@@ -133,19 +133,17 @@ def detection(frame: int, x: float, y: float, side: float = 40.0) -> Detection:
     return Detection(frame, box, 0.99, np.tile(box[:2], (5, 1)).astype(np.float32))
 
 
-def test_tracker_links_by_overlap_and_interpolates_between_detections() -> None:
-    # two faces far apart, moving right 4 px per sampled frame, detected every 3rd frame
-    rounds = {f: [detection(f, 10 + 4 * f, 10), detection(f, 10 + 4 * f, 150)]
-              for f in (0, 3, 6, 9)}
-    tracks = link_tracks(rounds)
-    assert len(tracks) == 2
-    top = next(t for t in tracks if t.detections[0].box[1] == 10)
+def test_a_track_fills_the_frames_between_its_boxes_by_interpolation() -> None:
+    # a face moving right 4 px per sampled frame, with boxes on every 3rd frame only
+    top = Track(0, {f: detection(f, 10 + 4 * f, 10) for f in (0, 3, 6, 9)})
     rows = top.frames()
     assert [r[0] for r in rows] == list(range(10))
     assert [r[4] for r in rows] == [f % 3 == 0 for f in range(10)]
     for f, box, _, points, _ in rows:  # interpolated boxes lie on the true path
         np.testing.assert_allclose(box, boxes_at(10 + 4 * f, 10), atol=1e-4)
         np.testing.assert_allclose(points[0], [10 + 4 * f, 10], atol=1e-4)
+    smooth = [r[1] for r in top.frames("smooth")]
+    np.testing.assert_allclose(smooth[5], boxes_at(10 + 4 * 5, 10), atol=1e-4)  # linear path
     union = top.frames("union")[0][1]
     np.testing.assert_allclose(union, [10, 10, 10 + 36 + 40, 50])
     assert iou(boxes_at(0, 0), boxes_at(20, 0))[0, 0] == pytest.approx(20 * 40 / (2 * 1600 - 800))
