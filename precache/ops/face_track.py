@@ -140,6 +140,16 @@ def _plausible(box: np.ndarray, previous: np.ndarray) -> bool:
     return bool(box[2] > box[0] and box[3] > box[1] and iou(box, previous)[0, 0] > 0.1)
 
 
+def _met(track: Track, others: list[Track]) -> Track | None:
+    """The track of ``others`` whose box on some frame is the same face as ``track``'s."""
+    for other in others:
+        for frame, face in track.detections.items():
+            known = other.detections.get(frame)
+            if known is not None and iou(face.box, known.box)[0, 0] > 0.5:
+                return other
+    return None
+
+
 def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refine, *,
                 min_iou: float = 0.3, min_score: float = 0.7) -> list[Track]:
     """Tracks over ``count`` sampled frames from full ``detections`` on some frames (frame ->
@@ -163,6 +173,13 @@ def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refi
             for j in new:
                 track = Track(-1, {frame: detections[frame][j]})
                 _follow(track, range(frame - 1, previous_round, -1), refine, min_score)
+                same = _met(track, lost)
+                if same is not None:  # followed back onto a face O-Net had lost: one track
+                    for f, face in track.detections.items():
+                        same.detections.setdefault(f, face)
+                    lost.remove(same)
+                    active.append(same)
+                    continue
                 tracks.append(track)
                 active.append(track)
             lost, previous_round = [], frame
