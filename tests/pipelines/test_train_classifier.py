@@ -97,3 +97,17 @@ def test_ddp_each_video_once_per_epoch_and_resume_on_fewer_ranks(video_cache, tm
     train_videos = sorted({k for ks in keys_per_epoch(keys, 2).values() for k in ks})
     assert len(train_videos) == 24
     assert_each_sample_once_per_epoch(keys_per_epoch(keys, 2), train_videos, pads=[0, 0])
+
+
+@pytest.mark.slow
+def test_clip_mode_trains_on_clips_with_one_augmentation_draw_each(video_cache, tmp_path) -> None:
+    out = tmp_path / "clips"
+    done = subprocess.run([sys.executable, str(TRAIN), "--cache", str(video_cache), "--out",
+                           str(out), "--mode", "clips", "--clip-frames", "4", "--epochs", "1",
+                           "--batch-size", "4", "--workers", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["videos_per_s"] > 0 and record["frames_per_s"] == pytest.approx(
+        4 * record["videos_per_s"])
+    assert record["samples_seen"] == 24 and record["val_videos"] == 8
