@@ -48,6 +48,7 @@ class SampledFrames:
     ``images``: RGB uint8 arrays (upright); ``indices``: their decoded frame numbers;
     ``times``: their times in seconds from the first frame; ``fps``: the stream's average rate;
     ``duration_s``: the time span that decoded; ``frame_count``: frames decoded;
+    ``header_duration_s``: the duration the container claims (None if it says none);
     ``warnings``: what was wrong with the video but did not stop it.
     """
 
@@ -57,6 +58,7 @@ class SampledFrames:
     fps: float
     duration_s: float
     frame_count: int
+    header_duration_s: float | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -99,6 +101,8 @@ class _Picker:
         self.slack = 0.5 / max(frame_rate, 1e-3)
 
     def wants(self, index: int, t: float) -> bool:
+        """Whether frame ``index`` at ``t`` seconds is sampled (never, for ``frames=N`` of a
+        video whose duration is unknown: the caller samples again once it is known)."""
         if self.every:
             return index % self.every == 0
         t += self.slack
@@ -108,7 +112,8 @@ class _Picker:
                     self.next_target += 1
                 return True
             return False
-        assert self.targets is not None
+        if self.targets is None:
+            return False
         if self.next_target < len(self.targets) and t >= self.targets[self.next_target]:
             while self.next_target < len(self.targets) and t >= self.targets[self.next_target]:
                 self.next_target += 1
@@ -116,39 +121,50 @@ class _Picker:
         return False
 
 
-def _decode(data: bytes, picker: _Picker | None, deadline: float, timeout_s: float,
-            max_pixels: int) -> tuple[SampledFrames, list[float]]:
-    """One pass: every frame's time, the picked frames as RGB. FFmpeg conceals damaged packets
-    (garbled blocks until the next keyframe) and only logs it; its error log is captured (from
-    every decoding thread, printed nowhere) and becomes a warning."""
+def _header(container) -> tuple[float | None, float, int]:  # noqa: ANN001 - PyAV's type
+    """The video stream's claimed duration (None if none), average frame rate and frame count."""
+    stream = container.streams.video[0]
+    duration = (float(stream.duration * stream.time_base) if stream.duration
+                else (container.duration / 1e6 if container.duration else None))
+    rate = float(stream.average_rate or stream.guessed_rate or Fraction(25))
+    return duration, rate, int(stream.frames or 0)
+
+
+def _decode(data: bytes, frames: int, every: int, fps: float, span: float | None,
+            deadline: float, timeout_s: float, max_pixels: int) -> SampledFrames:
+    """One pass: the sampled frames as RGB (``frames`` evenly over ``span`` seconds, or over
+    the header's duration when ``span`` is None). FFmpeg conceals damaged packets (garbled
+    blocks until the next keyframe) and only logs it; its error log is captured (from every
+    decoding thread, printed nowhere) and becomes a warning."""
     import av.logging
 
     level = av.logging.get_level()
     av.logging.set_level(av.logging.ERROR)
     try:
         with av.logging.Capture(local=False) as logs:
-            sampled, all_times = _decode_pass(data, picker, deadline, timeout_s, max_pixels)
+            sampled = _decode_pass(data, frames, every, fps, span, deadline, timeout_s,
+                                   max_pixels)
     finally:
         av.logging.set_level(level)
     errors = [message.strip() for lvl, _, message in logs if lvl <= av.logging.ERROR]
     if errors:
         sampled.warnings.append(f"FFmpeg reported {len(errors)} decoding error(s); frames near "
                                 f"them may be damaged (first: {errors[0]})")
-    return sampled, all_times
+    return sampled
 
 
-def _decode_pass(data: bytes, picker: _Picker | None, deadline: float, timeout_s: float,
-                 max_pixels: int) -> tuple[SampledFrames, list[float]]:
+def _decode_pass(data: bytes, frames: int, every: int, fps: float, span: float | None,
+                 deadline: float, timeout_s: float, max_pixels: int) -> SampledFrames:
     import av
 
     container = _open(data)
     try:
+        header_duration, rate, header_frames = _header(container)
+        picker = _Picker(frames, every, fps, span or header_duration, rate)
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
-        rate = stream.average_rate or stream.guessed_rate or Fraction(25)
-        fps = float(rate)
-        images, indices, times, all_times = [], [], [], []
-        bad, first_error, start, index = 0, "", None, 0
+        images, indices, times = [], [], []
+        bad, first_error, start, last, index = 0, "", None, 0.0, 0
         for packet in container.demux(stream):
             if time.monotonic() > deadline:
                 raise VideoTimeout(f"decoding took longer than {timeout_s:g} s (decode_timeout_s); "
@@ -166,18 +182,14 @@ def _decode_pass(data: bytes, picker: _Picker | None, deadline: float, timeout_s
                 if frame.width * frame.height > max_pixels:
                     raise VideoError(f"frames of {frame.width}x{frame.height} exceed max_pixels="
                                      f"{max_pixels}")
-                t = frame.time if frame.time is not None else index / fps
+                t = frame.time if frame.time is not None else index / rate
                 start = t if start is None else start
-                t -= start
-                all_times.append(t)
-                if picker is not None and picker.wants(index, t):
+                last = t - start
+                if picker.wants(index, last):
                     images.append(_rotate(frame.to_ndarray(format="rgb24"), frame.rotation or 0))
                     indices.append(index)
-                    times.append(t)
+                    times.append(last)
                 index += 1
-        header_frames = int(stream.frames or 0)
-        header_duration = (float(stream.duration * stream.time_base) if stream.duration
-                           else (container.duration / 1e6 if container.duration else None))
     finally:
         container.close()
     if index == 0:
@@ -188,12 +200,12 @@ def _decode_pass(data: bytes, picker: _Picker | None, deadline: float, timeout_s
         warnings.append(f"{bad} packet(s) failed to decode and were skipped (first: {first_error})")
     if header_frames and abs(header_frames - index) > max(2, index // 20):
         warnings.append(f"header says {header_frames} frames, {index} decoded")
-    span = all_times[-1] + 1.0 / fps
-    if header_duration and span < 0.9 * header_duration:
-        warnings.append(f"header says {header_duration:.2f} s, frames decoded for {span:.2f} s")
-    sampled = SampledFrames(images, np.asarray(indices, np.int64), np.asarray(times, np.float64),
-                            fps, span, index, warnings)
-    return sampled, all_times
+    decoded_span = last + 1.0 / rate
+    if header_duration and decoded_span < 0.9 * header_duration:
+        warnings.append(f"header says {header_duration:.2f} s, frames decoded for "
+                        f"{decoded_span:.2f} s")
+    return SampledFrames(images, np.asarray(indices, np.int64), np.asarray(times, np.float64),
+                         rate, decoded_span, index, header_duration, warnings)
 
 
 def read_frames(data: bytes, *, frames: int = 32, every: int = 0, fps: float = 0.0,
@@ -210,28 +222,15 @@ def read_frames(data: bytes, *, frames: int = 32, every: int = 0, fps: float = 0
     if frames < 1 and not every and not fps:
         raise ValueError("give frames >= 1, every >= 1 or fps > 0")
     deadline = time.monotonic() + timeout_s
-    probe = _open(data)  # the header's duration and rate, checked against what decodes
-    try:
-        stream = probe.streams.video[0]
-        duration = (float(stream.duration * stream.time_base) if stream.duration
-                    else (probe.duration / 1e6 if probe.duration else None))
-        rate = float(stream.average_rate or stream.guessed_rate or 25)
-    finally:
-        probe.close()
-    if every or fps:
-        sampled, _ = _decode(data, _Picker(0, every, fps, None, rate), deadline, timeout_s,
-                             max_pixels)
-        return sampled
-    picker = _Picker(frames, 0, 0.0, duration, rate) if duration else None
-    sampled, all_times = _decode(data, picker, deadline, timeout_s, max_pixels)
-    if duration is None or sampled.duration_s < 0.9 * duration:
+    sampled = _decode(data, frames, every, fps, None, deadline, timeout_s, max_pixels)
+    claimed = sampled.header_duration_s
+    if not (every or fps) and (claimed is None or sampled.duration_s < 0.9 * claimed):
         # No duration in the header, or a header longer than the stream: sample again over the
         # frames' real times.
-        span = sampled.duration_s
-        warnings = sampled.warnings
-        sampled, _ = _decode(data, _Picker(frames, 0, 0.0, span, rate), deadline, timeout_s,
-                             max_pixels)
-        sampled.warnings = warnings
-        if len(all_times) != sampled.frame_count:
+        first = sampled
+        sampled = _decode(data, frames, 0, 0.0, first.duration_s, deadline, timeout_s,
+                          max_pixels)
+        sampled.warnings = first.warnings
+        if first.frame_count != sampled.frame_count:
             sampled.warnings.append("the two decoding passes gave different frame counts")
     return sampled
