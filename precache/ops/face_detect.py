@@ -201,9 +201,7 @@ class MTCNN:
         O-Net on the candidates of all of them together."""
         if not images:
             return []
-        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32),
-                 np.empty((0, 5, 2), np.float32))
-        results = [empty] * len(images)
+        results = [_no_faces()] * len(images)
         proposals = [self._proposals(image) for image in images]
         live = [k for k in range(len(images)) if len(proposals[k])]
         if not live:
@@ -242,10 +240,8 @@ class MTCNN:
         score (the caller applies a threshold). A 48 px patch per box instead of a whole
         pyramid: ~0.4 ms instead of ~25 ms per frame of 640 px."""
         squared = [np.fix(_square(np.asarray(b, np.float64).reshape(-1, 4))) for b in boxes]
-        empty = (np.empty((0, 4), np.float32), np.empty(0, np.float32),
-                 np.empty((0, 5, 2), np.float32))
         live = [k for k in range(len(images)) if len(squared[k])]
-        results = [empty] * len(images)
+        results = [_no_faces()] * len(images)
         if not live:
             return results
         outputs = self._run_split("onet", [images[k] for k in live], [squared[k] for k in live], 48)
@@ -253,6 +249,11 @@ class MTCNN:
             found = _onet_result(squared[k], offsets, points, probs)
             results[k] = tuple(a.astype(np.float32) for a in found)  # type: ignore[assignment]
         return results
+
+
+def _no_faces() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(boxes, scores, landmarks)`` of an image without faces."""
+    return (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty((0, 5, 2), np.float32))
 
 
 def _onet_result(boxes: np.ndarray, offsets: np.ndarray, points: np.ndarray, probs: np.ndarray

@@ -41,7 +41,8 @@ class Detection:
 
 @dataclass
 class Track:
-    """One face over consecutive sampled frames: ``detections`` by frame, then ``fill``-ed."""
+    """One face over consecutive sampled frames: its ``detections`` by frame (``frames()``
+    fills any frame between two of them by interpolation)."""
 
     track_id: int
     detections: dict[int, Detection] = field(default_factory=dict)

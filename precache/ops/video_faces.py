@@ -16,13 +16,14 @@ face is skipped (``no_face``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from precache.ops.base import Op, Sample, Skip
 from precache.ops.face_crop import CropFace
-from precache.ops.face_detect import DetectFaces, mtcnn_weight_files
+from precache.ops.face_detect import DetectFaces
 from precache.ops.face_track import BOX_MODES, Detection, track_faces
 from precache.ops.video_decode import read_frames
 
@@ -88,8 +89,8 @@ class VideoFaces(Op):
                 **self.crop.params, "decode_timeout_s": self.decode_timeout_s,
                 "max_pixels": self.max_pixels}
 
-    def weight_files(self) -> list:
-        return list(mtcnn_weight_files().values())
+    def weight_files(self) -> list[Path]:
+        return self.detect.weight_files()
 
     def setup(self) -> None:
         self.detect.setup()
