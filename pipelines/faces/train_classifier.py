@@ -48,6 +48,7 @@ from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
 from precache.loading.clips import ClipDataset, VideoFrameDataset
+from precache.ops.labels import Labels
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
 from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
@@ -186,22 +187,20 @@ def split_videos(videos: list[str], labels: list[str], groups: list[str],
     return {videos[i] for i in held}
 
 
-def no_face_videos(cache: str) -> list[tuple[str, str]]:
+def no_face_videos(cache: str, generation: int) -> list[tuple[str, str]]:
     """(video, folder label) of the inputs stage 1 skipped for having no face; they score 0.5.
     Only a folder-labelled cache names their label (a metadata file's labels are not kept for
-    skipped inputs)."""
-    opened = Cache(cache)
+    skipped inputs); it is the label stage 1's ``Labels`` op would have given."""
+    opened = Cache(cache, generation=generation)
     labels_source = next((op["params"].get("labels") for op in opened.manifest.ops
                           if op["name"] == "labels"), "none")
     if labels_source != "folder":
         return []
+    by_folder = Labels(labels="folder")
     index = opened.read_index().to_pydict()
-    found = []
-    for key, status, message in zip(index["key"], index["status"], index["message"]):
-        if status == "skipped" and message == "no_face":
-            parts = str(key).split("/")
-            found.append((str(key), parts[0] if len(parts) > 1 else ""))
-    return found
+    return [(str(key), by_folder({"source_key": str(key)})["label"])
+            for key, status, message in zip(index["key"], index["status"], index["message"])
+            if status == "skipped" and message == "no_face"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,31 +223,39 @@ def main(argv: list[str] | None = None) -> None:
                                 start="random", columns=columns, transform=transform,
                                 seed=args.seed)
         per_item = args.clip_frames
+    if train_set.labels is None:
+        raise SystemExit(f"{args.cache} has no label column; run stage 1 with labels=folder or "
+                         "a metadata file (precache run video-faces --help)")
     classes = list(train_set.classes)
     positive = args.positive or next((c for c in classes if c.lower() == "fake"), classes[-1])
     if positive not in classes:
         raise SystemExit(f"--positive {positive!r} is not a label of {args.cache}: {classes}")
     positive_index = classes.index(positive)
 
-    # Split by video (a fake with its original), stratified by label; same on every rank.
-    frames = CachedDataset(args.cache, columns=["image"])
-    schema = Cache(args.cache).manifest.schema
-    meta = CachedDataset(args.cache, columns=[c for c in ("video", "label", "original")
-                                              if c in schema])
-    info = meta.read_batch(np.arange(len(meta)))
-    meta.close()
-    row_video = np.asarray(info["video"], dtype=object)
-    video_label = dict(zip(info["video"], info["label"]))
+    # Split by video (a fake with its original), stratified by label; same on every rank. The
+    # videos, their labels and rows come from the training set's index; only each video's first
+    # row is read for its original, and the same generation is read throughout.
+    index, videos = train_set.index, train_set.videos
+    frames = CachedDataset(args.cache, columns=["image"], generation=train_set.generation)
+    originals = [""] * len(videos)
+    if "original" in Cache(args.cache, generation=train_set.generation).manifest.schema:
+        meta = CachedDataset(args.cache, columns=["original"], generation=train_set.generation)
+        originals = meta.read_batch(index.rows[index.group_start[index.video_group_start[:-1]]]
+                                    )["original"]
+        meta.close()
     # a fake's group is its original's video (metadata files name it by bare file name)
-    by_name = {PurePosixPath(v).name: v for v in info["video"]}
-    originals = info.get("original", [""] * len(info["video"]))
-    video_group = {v: by_name.get(o, o) if o else v for v, o in zip(info["video"], originals)}
-    skipped = no_face_videos(args.cache)
-    names = list(video_label) + [v for v, _ in skipped]
-    labels = list(video_label.values()) + [lab for _, lab in skipped]
+    by_name = {PurePosixPath(v).name: v for v in videos}
+    video_group = {v: by_name.get(o, o) if o else v for v, o in zip(videos, originals)}
+    skipped = no_face_videos(args.cache, train_set.generation)
+    names = videos + [v for v, _ in skipped]
+    labels = train_set.labels + [lab for _, lab in skipped]
     held = split_videos(names, labels, [video_group.get(v, v) for v in names], args.val_fraction)
-    train_items = [i for i, v in enumerate(train_set.videos) if v not in held]
-    val_rows = np.flatnonzero([v in held for v in row_video])
+    held_rows = {i: index.rows[slice(*index.video_rows(i))] for i, v in enumerate(videos)
+                 if v in held}  # every cached frame of each held-out video
+    val_rows = np.concatenate([np.empty(0, np.int64), *held_rows.values()])
+    val_owner = np.concatenate([np.empty(0, np.int64),
+                                *(np.full(len(r), i) for i, r in held_rows.items())])
+    train_items = [i for i, v in enumerate(videos) if v not in held]
     if rank == 0:
         print(f"{len(names)} videos ({len(skipped)} without faces): {len(names) - len(held)} "
               f"train, {len(held)} validation; classes {classes}, positive {positive!r}", flush=True)
@@ -296,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     def validate() -> dict:
         """Every frame of every held-out video scored; this rank scores every world-th row."""
         bare.eval()
-        mine = val_rows[rank::world]
-        scores: list[tuple[int, float]] = []
+        mine, owners = val_rows[rank::world], val_owner[rank::world]
+        scores: list[tuple[int, float]] = []  # (video item, frame score)
         with torch.no_grad():
             for start in range(0, len(mine), 64):
                 rows = mine[start:start + 64]
@@ -306,14 +313,14 @@ def main(argv: list[str] | None = None) -> None:
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     logits = bare(images).float()
                 p = torch.softmax(logits, dim=1)[:, positive_index].cpu().numpy()
-                scores.extend(zip(rows.tolist(), p.tolist()))
+                scores.extend(zip(owners[start:start + 64].tolist(), p.tolist()))
         if world > 1:
             gathered: list = [None] * world
             dist.all_gather_object(gathered, scores)
             scores = [s for part in gathered for s in part]
         per_video: dict[str, list[float]] = {}
-        for row, score in scores:
-            per_video.setdefault(row_video[row], []).append(score)
+        for item, score in scores:
+            per_video.setdefault(videos[item], []).append(score)
         result = {}
         truth = [(v, lab) for v, lab in zip(names, labels) if v in held]
         y = np.array([lab == positive for _, lab in truth])

@@ -111,3 +111,30 @@ def test_clip_mode_trains_on_clips_with_one_augmentation_draw_each(video_cache, 
     assert record["videos_per_s"] > 0 and record["frames_per_s"] == pytest.approx(
         4 * record["videos_per_s"])
     assert record["samples_seen"] == 24 and record["val_videos"] == 8
+
+
+def test_videos_without_faces_are_listed_with_their_folder_label(tmp_path) -> None:
+    import av
+
+    folder = tmp_path / "videos"
+    load(REPO / "data" / "make_videos.py", "make_videos").write_videos(folder, per_label=1,
+                                                                       seconds=0.5)
+    (folder / "empty").mkdir()
+    container = av.open(str(folder / "empty" / "wall.mp4"), "w")
+    stream = container.add_stream("libx264", rate=10)
+    stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+    for _ in range(5):  # a grey wall: no face
+        frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 128, np.uint8), format="rgb24")
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+    container.close()
+    done = precache_cli("run", "video-faces", "-i", str(folder), "-o", str(tmp_path / "cache"),
+                        "--set", "size=32", "--set", "frames=4", "-q", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    from precache.cache import Cache
+
+    train = load(TRAIN, "train_classifier")
+    generation = Cache(tmp_path / "cache").generation
+    assert train.no_face_videos(str(tmp_path / "cache"), generation) == [("empty/wall.mp4", "empty")]
