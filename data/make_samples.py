@@ -290,6 +290,21 @@ def make_face(faces: dict[str, Image.Image], backgrounds: dict[str, Image.Image]
     return degrade(relight(image, rng), rng), truth
 
 
+
+def cut_face(photo: Image.Image, box: tuple[float, float, float, float], grow: float,
+             rng: np.random.Generator) -> tuple[Image.Image, tuple[float, float, float, float]]:
+    """The face ``box`` grown by ``grow`` of its size on every side, cut to the photo and
+    flipped half the time; returns the cut and the face box in its pixels."""
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    cut = (max(0, round(box[0] - grow * bw)), max(0, round(box[1] - grow * bh)),
+           min(photo.width, round(box[2] + grow * bw)), min(photo.height, round(box[3] + grow * bh)))
+    crop = photo.crop(cut)
+    box = (box[0] - cut[0], box[1] - cut[1], box[2] - cut[0], box[3] - cut[1])
+    if rng.random() < 0.5:
+        crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+        box = (crop.width - box[2], box[1], crop.width - box[0], box[3])
+    return crop, box
+
 def make_group(faces: dict[str, Image.Image], backgrounds: dict[str, Image.Image],
                rng: np.random.Generator) -> tuple[Image.Image, list[list[float]]]:
     """A background photo with 2-4 faces pasted apart, each with a soft edge and its own light."""
@@ -306,20 +321,13 @@ def make_group(faces: dict[str, Image.Image], backgrounds: dict[str, Image.Image
         name = names[int(rng.choice(len(names), p=weights / weights.sum()))]
         photo, box = faces[name], FACE_BOXES[name]
         bw, bh = box[2] - box[0], box[3] - box[1]
-        # the patch: the face box grown by 60 % (context: hair, neck), cut to the photo
-        patch = (max(0, round(box[0] - 0.3 * bw)), max(0, round(box[1] - 0.3 * bh)),
-                 min(photo.width, round(box[2] + 0.3 * bw)),
-                 min(photo.height, round(box[3] + 0.3 * bh)))
-        crop = photo.crop(patch)
-        box = (box[0] - patch[0], box[1] - patch[1], box[2] - patch[0], box[3] - patch[1])
-        if rng.random() < 0.5:
-            crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
-            box = (crop.width - box[2], box[1], crop.width - box[0], box[3])
+        # the patch: the face box grown by 60 % (context: hair, neck)
+        cut, box = cut_face(photo, box, 0.3, rng)
         face_w = np.exp(rng.uniform(np.log(40), np.log(max(41, 0.32 * min(w, h) * bw / bh))))
         scale = face_w / bw
-        crop = resize(crop, scale)
-        box = tuple(v * crop.width / (patch[2] - patch[0]) if i % 2 == 0
-                    else v * crop.height / (patch[3] - patch[1]) for i, v in enumerate(box))
+        crop = resize(cut, scale)
+        box = tuple(v * crop.width / cut.width if i % 2 == 0 else v * crop.height / cut.height
+                    for i, v in enumerate(box))
         crop = relight(crop, rng, strength=0.6)
         crop.putalpha(feather(crop.size, 0.15 * min(crop.size)))  # face stays opaque
         angle = rng.uniform(-15, 15) if rng.random() < 0.6 else 0.0

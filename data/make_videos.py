@@ -108,18 +108,11 @@ class Face:
 
     def __init__(self, photo: Image.Image, box: tuple[float, float, float, float], width: float,
                  rng: np.random.Generator) -> None:
-        bw, bh = box[2] - box[0], box[3] - box[1]
+        bw = box[2] - box[0]
         # the patch: the face box grown by 50 % (some hair, ears and neck), cut to the photo
-        cut = (max(0, round(box[0] - 0.25 * bw)), max(0, round(box[1] - 0.25 * bh)),
-               min(photo.width, round(box[2] + 0.25 * bw)),
-               min(photo.height, round(box[3] + 0.25 * bh)))
-        crop = photo.crop(cut)
-        box = (box[0] - cut[0], box[1] - cut[1], box[2] - cut[0], box[3] - cut[1])
-        if rng.random() < 0.5:
-            crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
-            box = (crop.width - box[2], box[1], crop.width - box[0], box[3])
-        crop = samples.relight(samples.resize(crop, width / bw), rng, strength=0.5)
-        sx, sy = crop.width / (cut[2] - cut[0]), crop.height / (cut[3] - cut[1])
+        cut, box = samples.cut_face(photo, box, 0.25, rng)
+        crop = samples.relight(samples.resize(cut, width / bw), rng, strength=0.5)
+        sx, sy = crop.width / cut.width, crop.height / cut.height
         self.box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
         crop.putalpha(oval(crop.size))
         self.patch = crop
