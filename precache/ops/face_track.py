@@ -4,8 +4,10 @@ MTCNN's whole cascade (an image pyramid through P-Net, then R-Net and O-Net) run
 ``detect_every``-th sampled frame. On the frames between, each face's box from the previous frame
 is given to O-Net alone (``refine``: one 48 px patch, ~60x cheaper than the cascade), which
 scores it, moves the box onto the face and places the five landmarks, so every frame gets a
-measured box, not an interpolated one. A face whose O-Net score falls below the threshold has
-left (or is hidden), and its track ends; a face first found by a full detection is followed
+measured box, not an interpolated one. Where O-Net loses a face (its score falls below the
+threshold: the face left, is hidden, or moved too far from its last box, as when the sampled
+frames are seconds apart), that frame gets the whole cascade too, and a track whose face it
+does not find again ends; a face first found by a full detection is followed
 backwards frame by frame to where it appeared, so a track starts where it would with detection
 on every frame. Full detections are linked to tracks by box overlap (greedy, highest IoU first,
 at least ``min_iou``); two tracks that converge on one face become one.
@@ -151,15 +153,39 @@ def _met(track: Track, others: list[Track]) -> Track | None:
     return None
 
 
-def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refine, *,
-                min_iou: float = 0.3, min_score: float = 0.7) -> list[Track]:
+def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refine,
+                detect: Callable[[int], list[Detection]], *, min_iou: float = 0.3,
+                min_score: float = 0.7) -> list[Track]:
     """Tracks over ``count`` sampled frames from full ``detections`` on some frames (frame ->
-    faces) and ``refine`` on the others, numbered in order of first appearance."""
+    faces) and ``refine`` on the others, numbered in order of first appearance. Where O-Net
+    loses a face between two full detections (it left, or moved too far from its last box, as
+    when sampled frames are seconds apart), ``detect(frame)`` runs the full cascade there."""
+    detections = dict(detections)
     tracks: list[Track] = []
     active: list[Track] = []
     lost: list[Track] = []  # ended since the last full detection: a detection may revive them
     previous_round = -1
     for frame in range(count):
+        if frame not in detections and active:
+            found = refine(frame, np.array([t.detections[t.last].box for t in active]))
+            kept: list[tuple[Track, Detection]] = []
+            dropped: list[Track] = []
+            vanished = False
+            for track, face in sorted(zip(active, found), key=lambda pair: -pair[1].score):
+                duplicate = any(iou(face.box, k.box)[0, 0] > 0.5 for _, k in kept)
+                if (face.score >= min_score and not duplicate
+                        and _plausible(face.box, track.detections[track.last].box)):
+                    kept.append((track, face))
+                else:
+                    dropped.append(track)
+                    vanished = vanished or not duplicate
+            if not vanished:
+                for track, face in kept:
+                    track.detections[frame] = face
+                active = [track for track, _ in kept]
+                lost.extend(dropped)
+                continue
+            detections[frame] = detect(frame)  # a face O-Net lost: the full cascade, here
         if frame in detections:
             candidates = active + lost
             matches, new = _link(candidates, detections[frame], min_iou)
@@ -184,20 +210,6 @@ def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refi
                 tracks.append(track)
                 active.append(track)
             lost, previous_round = [], frame
-            continue
-        if not active:
-            continue
-        found = refine(frame, np.array([t.detections[t.last].box for t in active]))
-        kept: list[Track] = []
-        for track, face in sorted(zip(active, found), key=lambda pair: -pair[1].score):
-            previous = track.detections[track.last].box
-            duplicate = any(iou(face.box, k.detections[frame].box)[0, 0] > 0.5 for k in kept)
-            if face.score >= min_score and _plausible(face.box, previous) and not duplicate:
-                track.detections[frame] = face
-                kept.append(track)
-            else:
-                lost.append(track)
-        active = kept
     tracks.sort(key=lambda t: (t.first, float(t.detections[t.first].box[0])))
     for number, track in enumerate(tracks):
         track.track_id = number

@@ -113,17 +113,30 @@ class VideoFaces(Op):
             return [Detection(frame, found[i], float(scores[i]), points[i], detected=False)
                     for i in range(len(found))]
 
-        tracks = track_faces(count, self._detections(video.images, rounds), refine,
+        def detect(frame: int) -> list[Detection]:
+            return self._detections(video.images, [frame])[frame]
+
+        tracks = track_faces(count, self._detections(video.images, rounds), refine, detect,
                              min_iou=self.min_iou, min_score=self.detect.thresholds[2])
         if not tracks:
             raise Skip("no_face")
+        warnings = list(video.warnings)
         if self.keep == "largest":
-            tracks = [max(tracks, key=lambda t: (t.mean_area(), len(t.detections)))]
+            kept = max(tracks, key=lambda t: (t.mean_area(), len(t.detections)))
+            with_face = len({f for t in tracks for f in t.detections})
+            if len(kept.detections) < with_face / 2:  # faces were found, but not linked
+                gap = float(np.median(np.diff(video.times))) if count > 1 else 0.0
+                warnings.append(
+                    f"keep=largest kept one track, on {len(kept.detections)} of the {with_face} "
+                    f"sampled frames with a face: faces could not be followed across frames "
+                    f"{gap:.2f} s apart ({len(tracks)} tracks); sample more densely (e.g. fps=4) "
+                    "or keep=all")
+            tracks = [kept]
         height, width = video.images[0].shape[:2]
         common = {"video": sample["source_key"], "fps": float(video.fps),
                   "duration_s": float(video.duration_s),
                   "frame_count": np.int64(video.frame_count), "orig_height": int(height),
-                  "orig_width": int(width), "warning": "; ".join(video.warnings)}
+                  "orig_width": int(width), "warning": "; ".join(warnings)}
         rows = []
         for track in tracks:
             for f, box, score, landmarks, detected in track.frames(self.track_box):

@@ -156,9 +156,14 @@ class Scene:
     def __init__(self, faces: dict[int, list[tuple[float, float]]],
                  misses: set[int] = frozenset()) -> None:
         self.faces, self.calls, self.misses = faces, [], set(misses)
+        self.detected: list[int] = []  # frames detect_one ran on
 
     def detect(self, frames: list[int]) -> dict[int, list[Detection]]:
         return {f: [detection(f, x, y) for x, y in self.faces.get(f, [])] for f in frames}
+
+    def detect_one(self, frame: int) -> list[Detection]:
+        self.detected.append(frame)
+        return self.detect([frame])[frame]
 
     def refine(self, frame: int, boxes: np.ndarray) -> list[Detection]:
         self.calls.append(frame)
@@ -184,7 +189,7 @@ def test_faces_are_followed_between_detections_and_traced_back_to_where_they_app
         faces.setdefault(f, []).append((200.0, 120.0))
     scene = Scene(faces)
     rounds = [0, 4, 8, 11]
-    tracks = track_faces(12, scene.detect(rounds), scene.refine)
+    tracks = track_faces(12, scene.detect(rounds), scene.refine, scene.detect_one)
     assert len(tracks) == 2
     a, b = tracks
     assert sorted(a.detections) == list(range(10))  # followed by O-Net to its last frame
@@ -193,13 +198,14 @@ def test_faces_are_followed_between_detections_and_traced_back_to_where_they_app
     for f, d in a.detections.items():  # measured boxes, not interpolated ones
         np.testing.assert_allclose(d.box, boxes_at(10 + 8 * f, 10))
     assert {5, 4} & set(scene.calls) == {5}  # frame 5 looked at (B traced back), 4 never refined
+    assert scene.detected == [10]  # the cascade where O-Net lost A (gone after the cut)
 
 
 def test_two_tracks_that_converge_on_one_face_become_one() -> None:
     faces = {f: [(50.0, 50.0)] for f in range(6)}
     scene = Scene(faces)
     found = {0: [detection(0, 50, 50), detection(0, 60, 55)]}  # a duplicate at frame 0
-    tracks = track_faces(6, found, scene.refine)
+    tracks = track_faces(6, found, scene.refine, scene.detect_one)
     assert sum(len(t.detections) > 1 for t in tracks) == 1
 
 
@@ -269,5 +275,33 @@ def test_a_face_lost_between_detections_and_found_again_stays_one_track() -> Non
     # moving 20 px a frame (a 40 px box: no overlap between frames 1 and 5); O-Net misses it
     # once at frame 2, the full detection at 5 finds it far away and follows it back to frame 1
     scene = Scene({f: [(10 + 20 * f, 10)] for f in range(8)}, misses={2})
-    tracks = track_faces(8, scene.detect([0, 5, 7]), scene.refine)
+    tracks = track_faces(8, scene.detect([0, 5, 7]), scene.refine, scene.detect_one)
     assert len(tracks) == 1 and sorted(tracks[0].detections) == list(range(8))
+    assert scene.detected == [2]  # the frame where O-Net missed it got the whole cascade
+
+
+def test_frames_seconds_apart_keep_every_face_and_say_when_they_cannot_be_linked(tmp_path) -> None:
+    import importlib.util
+
+    from precache.ops.video_faces import VideoFaces
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("make_videos", root / "data" / "make_videos.py")
+    make_videos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_videos)
+    truth = make_videos.write_videos(tmp_path / "videos", per_label=1, seconds=8)
+    key = "real/real_000.mp4"  # a face gliding and bouncing: 2 s apart, boxes never overlap
+    assert truth[key]["kind"] == "moving"
+    sample = {"data": (tmp_path / "videos" / key).read_bytes(), "key": key, "source_key": key}
+
+    def rows(**params: object) -> list[dict]:
+        op = VideoFaces(size=32, **params)
+        op.setup()
+        return op(sample)
+
+    every = rows(frames=4, keep="all")  # O-Net loses the face: the cascade finds it each time
+    assert len(every) == 4 and not any(r["warning"] for r in every)
+    one = rows(frames=4, keep="largest")
+    assert len(one) == 1 and "could not be followed across frames 2.00 s apart" in one[0]["warning"]
+    dense = rows(frames=32, keep="largest")  # 0.25 s apart: one track over every frame
+    assert len(dense) == 32 and not any(r["warning"] for r in dense)
