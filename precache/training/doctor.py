@@ -1,0 +1,168 @@
+"""Read a run's step timeline and say what the speed checklist suggests (``precache doctor``).
+
+Input: the ``metrics.jsonl`` a precache trainer writes: one ``{"kind": "run", "config": ...}``
+record (``timeline.run_record``), per-epoch records with a ``"timeline"`` summary, and sampled
+``{"kind": "step"}`` records. Each rule reads one epoch's shares and the run's settings and, when
+it fires, gives the evidence (the numbers it saw) and the advice. The thresholds are below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline"]
+
+DATA_WAIT_HIGH = 0.2  # share of step time waiting for the loader
+H2D_HIGH = 0.1  # share in host-to-device copies (CUDA)
+COMPUTE_HIGH = 0.5  # forward + backward share
+OPTIMIZER_HIGH = 0.2  # optimizer share
+PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
+
+
+class TimelineError(ValueError):
+    """The file is missing, unreadable, or has no timeline to diagnose."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One rule that fired: its name, what it saw, what to try."""
+
+    rule: str
+    evidence: str
+    advice: str
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def load_timeline(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict], list[dict]]:
+    """``(config, epoch records with a timeline, step records)`` of a ``metrics.jsonl``, or of
+    the one in the run folder ``path``.
+
+    Raises:
+        TimelineError: no such file, a line that is not JSON (named by number), or no epoch
+            record with a timeline.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise TimelineError(f"{path}: no such file; give a run's metrics.jsonl or its folder")
+    config: dict[str, Any] = {}
+    epochs, steps = [], []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TimelineError(f"{path}, line {number}: not JSON ({e.msg})") from None
+            kind = record.get("kind", "epoch")  # epoch records from before timelines: no kind
+            if kind == "run":
+                config = dict(record.get("config") or {})
+            elif kind == "step":
+                steps.append(record)
+            elif kind == "epoch" and isinstance(record.get("timeline"), dict):
+                epochs.append(record)
+    if not epochs:
+        raise TimelineError(f"{path} has no epoch record with a 'timeline': train with a precache "
+                            "trainer (pipelines/), which writes one per epoch, then run doctor "
+                            "on its metrics.jsonl")
+    return config, epochs, steps
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
+    """The rules that fire for one epoch record (its ``timeline``) under the run's ``config``."""
+    t = epoch["timeline"]
+    found: list[Finding] = []
+    device = config.get("device", "cpu")
+    world = int(config.get("world_size") or epoch.get("world_size") or 1)
+    workers = config.get("workers")
+    cpus = config.get("cpus")
+
+    wait = t.get("data_wait", 0.0)
+    if wait > DATA_WAIT_HIGH:
+        where = f"data wait {_pct(wait)} of step time"
+        if workers is not None:
+            where += f" with {workers} loader workers per rank"
+        if cpus:
+            where += f" on {cpus} CPUs, {world} rank{'s' if world > 1 else ''}"
+        spare = (int(cpus) // world - 1) if cpus else None
+        if workers is not None and spare is not None and int(workers) < spare:
+            found.append(Finding("more-workers", where,
+                                 f"raise --workers to {spare} (the cores per rank less one for "
+                                 "the training process)"))
+        read, used = config.get("columns"), config.get("columns_used")
+        unused = sorted(set(read or []) - set(used or [])) if used is not None else []
+        if unused:
+            found.append(Finding("fewer-columns", where + f"; columns read but not used: "
+                                 f"{', '.join(unused)}",
+                                 "read only the columns the step uses (CachedDataset(columns=...))"))
+        if config.get("transform_in_loader"):
+            found.append(Finding("cache-the-transform", where + "; a transform runs in the loader",
+                                 "move deterministic work into stage 1 (an op: it runs once, "
+                                 "not every epoch) and keep only cheap random augmentation"))
+        if not found:
+            found.append(Finding("loader-at-its-limit", where,
+                                 "the loader reads as fast as it can here: warm the page cache "
+                                 "(CachedDataset warms shards it reads), use faster storage or a "
+                                 "local disk cache, or store smaller samples (JPEG crops)"))
+
+    h2d = t.get("h2d", 0.0)
+    if device == "cuda" and h2d > H2D_HIGH:
+        evidence = f"host-to-device copy {_pct(h2d)} of step time"
+        if not config.get("pin_memory"):
+            found.append(Finding("pin-memory", evidence + " from pageable memory",
+                                 "pin_memory=True in the DataLoader and .to(device, "
+                                 "non_blocking=True)"))
+        else:
+            found.append(Finding("smaller-transfers", evidence + " from pinned memory",
+                                 "send uint8 images and normalize on the GPU; send token ids as "
+                                 "int32, not int64"))
+
+    compute = t.get("forward", 0.0) + t.get("backward", 0.0)
+    if compute > COMPUTE_HIGH:
+        evidence = f"forward + backward {_pct(compute)} of step time"
+        precision = config.get("precision")
+        if precision == "fp32" and (device == "cuda" or config.get("cpu_bf16")):
+            found.append(Finding("mixed-precision", evidence + " in fp32",
+                                 "--precision bf16 (Ampere or newer GPUs, CPUs with AVX512-BF16 "
+                                 "or AMX); fp16 with a GradScaler on older GPUs"))
+        if config.get("compile") is False:
+            found.append(Finding("compile", evidence + " in eager mode",
+                                 "--compile (torch.compile; the first steps compile)"))
+        if (device == "cuda" and config.get("input") == "images"
+                and config.get("channels_last") is False):
+            found.append(Finding("channels-last", evidence + " on NCHW images",
+                                 "--channels-last: convolutions run faster in NHWC on tensor "
+                                 "cores"))
+
+    opt = t.get("optimizer", 0.0)
+    if opt > OPTIMIZER_HIGH:
+        accumulate = int(config.get("accumulate") or 1)
+        found.append(Finding("fewer-optimizer-steps",
+                             f"optimizer {_pct(opt)} of step time at batch "
+                             f"{config.get('batch_size', '?')}, accumulate {accumulate}",
+                             "a bigger --batch-size or --accumulate N steps the optimizer once "
+                             "per N batches; a fused or foreach optimizer costs less per step"))
+    return found
+
+
+def table(epochs: list[dict[str, Any]]) -> list[str]:
+    """Lines of a table: one row per epoch, the share of each phase and seconds per batch."""
+    head = f"{'epoch':>5} {'s/batch':>9} " + " ".join(f"{p:>9}" for p in PHASES)
+    rows = [head]
+    for record in epochs:
+        t = record["timeline"]
+        rows.append(f"{record.get('epoch', '?'):>5} {t.get('step_s', 0.0):>9.4f} "
+                    + " ".join(f"{_pct(t.get(p, 0.0)):>9}" for p in PHASES))
+    return rows

@@ -1,0 +1,101 @@
+"""precache doctor's rules on recorded timelines: a loader-bound run recorded here, and the
+metrics.jsonl of a real MiniLM fine-tune on this machine's CPU (timelines/minilm_cpu_fp32.jsonl,
+recorded by pipelines/text/finetune.py --batch-size 8 --workers 0); and the real command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from precache.training.doctor import TimelineError, diagnose, load_timeline
+from precache.training.timeline import run_record
+from tests.conftest import precache_cli
+from tests.precache.training.timeline_runs import train
+
+RECORDED = Path(__file__).with_name("timelines")
+
+
+def write_run(path: Path, config: dict, summary: dict, steps: list[dict]) -> Path:
+    lines = [run_record(**config), *steps, {"kind": "epoch", "epoch": 0, "timeline": summary}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loader_bound(tmp_path_factory) -> Path:
+    summary, steps = train(delay=0.01, width=8, every=1)
+    config = {"device": "cpu", "world_size": 1, "workers": 0, "cpus": 4, "batch_size": 4,
+              "precision": "fp32", "compile": False, "columns": ["image", "landmarks5", "mesh"],
+              "columns_used": ["image", "landmarks5"], "transform_in_loader": False}
+    return write_run(tmp_path_factory.mktemp("doctor") / "metrics.jsonl", config, summary, steps)
+
+
+def rules(findings) -> list[str]:
+    return [f.rule for f in findings]
+
+
+def test_a_loader_bound_run_is_told_to_add_workers_and_read_fewer_columns(loader_bound):
+    config, epochs, steps = load_timeline(loader_bound)
+    assert len(epochs) == 1 and len(steps) == 24
+    found = diagnose(config, epochs[-1])
+    assert rules(found) == ["more-workers", "fewer-columns"]
+    assert "with 0 loader workers per rank on 4 CPUs, 1 rank" in found[0].evidence
+    assert "--workers to 3" in found[0].advice
+    assert found[1].evidence.endswith("columns read but not used: mesh")
+    # With the workers it asks for and only the columns it uses, the loader is at its limit.
+    tuned = dict(config, workers=3, columns=["image", "landmarks5"])
+    assert rules(diagnose(tuned, epochs[-1])) == ["loader-at-its-limit"]
+
+
+def test_the_recorded_minilm_cpu_run_is_told_to_compile_and_step_less_often_not_to_use_bf16():
+    config, epochs, steps = load_timeline(RECORDED / "minilm_cpu_fp32.jsonl")
+    assert config["precision"] == "fp32" and config["device"] == "cpu" and steps
+    found = diagnose(config, epochs[-1])
+    assert rules(found) == ["compile", "fewer-optimizer-steps"]
+    # bf16 is emulated on a CPU without AVX512-BF16/AMX (measured 23x slower): not advised there,
+    # advised where the CPU has it.
+    assert "mixed-precision" in rules(diagnose(dict(config, cpu_bf16=True), epochs[-1]))
+
+
+def test_gpu_rules_fire_on_cuda_runs_only():
+    epoch = {"epoch": 0, "timeline": {"data_wait": 0.0, "h2d": 0.3, "forward": 0.3,
+                                      "backward": 0.3, "optimizer": 0.05, "other": 0.05}}
+    config = {"device": "cuda", "pin_memory": False, "precision": "fp32", "compile": True,
+              "input": "images", "channels_last": False}
+    assert rules(diagnose(config, epoch)) == ["pin-memory", "mixed-precision", "channels-last"]
+    assert rules(diagnose(dict(config, pin_memory=True, precision="bf16", channels_last=True),
+                          epoch)) == ["smaller-transfers"]
+    assert rules(diagnose(dict(config, device="cpu"), epoch)) == []
+
+
+def test_a_file_without_a_timeline_is_an_error_naming_it(tmp_path):
+    old = tmp_path / "metrics.jsonl"
+    old.write_text(json.dumps({"epoch": 0, "train_loss": 1.0, "data_wait": 0.1}) + "\n")
+    with pytest.raises(TimelineError, match="has no epoch record with a 'timeline'"):
+        load_timeline(tmp_path)
+    old.write_text("{not json\n")
+    with pytest.raises(TimelineError, match=r"metrics.jsonl, line 1: not JSON"):
+        load_timeline(old)
+
+
+def test_the_command_prints_the_phases_and_suggestions(loader_bound, tmp_path):
+    done = precache_cli("doctor", str(loader_bound))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["epoch", "s/batch", "data_wait", "h2d", "forward", "backward",
+                                "optimizer", "other"]
+    assert lines[1].split()[0] == "0"
+    assert any(line.startswith("1. raise --workers to 3") for line in lines)
+
+    as_json = json.loads(precache_cli("doctor", str(loader_bound.parent), "--json").stdout)
+    assert [f["rule"] for f in as_json["findings"]] == ["more-workers", "fewer-columns"]
+    assert as_json["sampled_steps"] == 24
+
+    missing = precache_cli("doctor", str(tmp_path / "nope"))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"precache: error: {tmp_path / 'nope'}: "
+                                      "no such file; give a run's metrics.jsonl or its folder")
+    wrong_epoch = precache_cli("doctor", str(loader_bound), "--epoch", "7")
+    assert wrong_epoch.returncode == 2 and "no timeline for epoch 7" in wrong_epoch.stderr
