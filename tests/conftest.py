@@ -117,7 +117,7 @@ def free_ports(count: int) -> list[int]:
 
 def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
     """Run a training entry point under torchrun (one node) with ``ranks`` CPU processes; return
-    the records it appended to ``<--out>/metrics.jsonl`` in this run."""
+    the epoch records it appended to ``<--out>/metrics.jsonl`` in this run."""
     import json
 
     out = Path(args[args.index("--out") + 1])
@@ -131,7 +131,8 @@ def run_torchrun(script: Path, ranks: int, *args: str) -> list[dict]:
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, (f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n"
                                   f"--- stderr\n{done.stderr[-8000:]}")
-    return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+    return [r for r in records if r.get("kind", "epoch") == "epoch"]  # not run or step records
 
 
 def launch_ranks(module: str, world: int, out: Path, args: list[str], timeout: float) -> list[dict]:

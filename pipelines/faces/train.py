@@ -24,15 +24,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
-from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
+from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
+from precache.training.strategy import STRATEGIES, make_strategy
+from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 
@@ -63,7 +64,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="autocast dtype; fp16 (CUDA only) uses a GradScaler")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
+                   help="ddp: replicate the model; zero: ZeRO-1, shard the optimizer state; "
+                        "fsdp: FSDP2, shard parameters, gradients and optimizer state")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--timeline-every", type=int, default=10,
+                   help="time the phases of about one batch in N (the data wait: every batch)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N optimizer steps")
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
@@ -120,20 +126,20 @@ def main() -> None:
         torch.set_num_threads(
             max(1, (os.cpu_count() or 1) // local_world - loader.loader.num_workers))
 
-    model = LandmarkNet().to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+    strategy = make_strategy(args.strategy, rank=rank, world_size=world, device=device)
+    model = strategy.wrap(LandmarkNet().to(device, memory_format=torch.channels_last))
+    optimizer = strategy.make_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=1e-4)
     # Planned from this run's settings, also on resume: more --epochs stretch the curve.
     schedule = OneCycleSchedule(optimizer, args.lr, samples_planned=args.epochs * len(train_idx))
-    amp_dtype, scaler = mixed_precision(args.precision, device)
+    amp_dtype, _ = mixed_precision(args.precision, device)
+    scaler = strategy.grad_scaler(enabled=amp_dtype is torch.float16)
 
     epoch, step, position = 0, 0, 0  # position: samples this rank trained on in this epoch
     if args.resume:
         try:
-            state = load_checkpoint(args.resume, map_location=device)
+            state = strategy.load(Path(args.resume), model, optimizer, map_location=device)
         except CheckpointRefused as e:
             raise SystemExit(str(e)) from None
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
         # After the optimizer's, which restores the saved rate. A checkpoint from before the
         # progress schedule has none: the start of its epoch is close enough.
         legacy = {"samples_seen": state["epoch"] * len(train_idx)}
@@ -141,22 +147,27 @@ def main() -> None:
         scaler.load_state_dict(state["scaler"])
         loader.load_state_dict(state["loader"])  # mid-epoch: only the samples not yet seen
         epoch, step = state["epoch"], state["step"]
-    if world > 1:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     net = torch.compile(model) if args.compile else model
 
     lr_log = open_lr_log(out, rank)
 
-    def save(path: Path) -> None:
-        if rank == 0:
-            bare = model.module if isinstance(model, DistributedDataParallel) else model
-            save_checkpoint({"model": bare.state_dict(), "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
-                        "loader": loader.state_dict(consumed=position), "epoch": epoch, "step": step},
-                       path)
+    def save(path: Path) -> None:  # every rank: a sharded strategy saves its shards
+        strategy.save(path, model, optimizer, {
+            "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
+            "loader": loader.state_dict(consumed=position), "epoch": epoch, "step": step})
+        if lr_log is not None:
             lr_log.flush()
 
     log = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    if log is not None:
+        log.write(json.dumps(run_record(
+            device=device.type, world_size=world, workers=loader.loader.num_workers,
+            cpus=os.cpu_count(), batch_size=args.batch_size, accumulate=args.accumulate,
+            precision=args.precision, cpu_bf16=cpu_has_native_bf16(), compile=args.compile,
+            channels_last=True, input="images", columns=columns,
+            columns_used=columns, transform_in_loader=True,
+            pin_memory=device.type == "cuda", strategy=args.strategy)) + "\n")
+    timeline = StepTimeline(device, every=args.timeline_every, seed=args.seed, log=log, rank=rank)
     keys_log = open_keys_log(args.log_keys, rank)
     while epoch < args.epochs:
         loader.set_epoch(epoch)
@@ -165,16 +176,21 @@ def main() -> None:
         seen, running, logged = 0, torch.zeros((), device=device), 0  # seen: this rank, this epoch
         pending = 0  # samples of this rank in the optimizer step being accumulated
         optimizer.zero_grad(set_to_none=True)
+        timeline.begin_epoch(epoch)
         tick = time.perf_counter()
-        for i, batch in enumerate(DevicePrefetcher(loader, device)):
+        for i, batch in enumerate(DevicePrefetcher(loader, device)):  # copies the next batch now
             got = time.perf_counter()
+            timeline.data_ready()
             wait += got - tick
             if keys_log is not None:
                 keys_log.write("".join(f"{epoch}\t{key}\n" for key in batch["key"]))
-            images, targets = batch_to_inputs(batch, device)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            with timeline.phase("h2d"):  # the copy overlaps (DevicePrefetcher): only uint8->float
+                images, targets = batch_to_inputs(batch, device)
+            with timeline.phase("forward"), torch.autocast(device.type, dtype=amp_dtype,
+                                                          enabled=amp_dtype is not None):
                 loss = nn.functional.smooth_l1_loss(net(images).float(), targets, beta=0.02)
-            scaler.scale(loss / args.accumulate).backward()
+            with timeline.phase("backward"):
+                scaler.scale(loss / args.accumulate).backward()
             running += loss.detach()  # a tensor: no host sync, no graph kept
             logged += 1
             seen += len(images)
@@ -182,12 +198,15 @@ def main() -> None:
             position = seen  # trained on: what a checkpoint must not replay
             if (i + 1) % args.accumulate == 0:
                 log_lr(lr_log, step, schedule)  # the rate this step uses
-                # every rank's batches hold as many samples (lock-step): no all_reduce needed
-                optimizer_step(net, optimizer, scaler, schedule, args.clip, samples=pending * world)
+                with timeline.phase("optimizer"):
+                    # every rank's batches hold as many samples (lock-step): no all_reduce needed
+                    optimizer_step(net, optimizer, scaler, schedule, args.clip,
+                                   samples=pending * world)
                 pending = 0
                 step += 1
-                if step % args.save_every == 0:
-                    save(out / "last.pt")
+            timeline.end_step(step)
+            if (i + 1) % args.accumulate == 0 and step % args.save_every == 0:
+                save(out / "last.pt")
             tick = time.perf_counter()
             busy += tick - got
             if args.max_steps and step >= args.max_steps:
@@ -213,10 +232,11 @@ def main() -> None:
             wait_share = totals[3].item() / max(1e-9, totals[4].item())
         else:
             val_error, seen_all, wait_share = val_sum.item() / max(1, val_n), seen, wait / max(1e-9, wait + busy)
-        record = {"epoch": epoch, "step": step, "train_loss": train_loss, "val_l1": val_error,
+        record = {"kind": "epoch", "epoch": epoch, "step": step, "train_loss": train_loss, "val_l1": val_error,
                   "samples_per_s": seen_all / max(1e-9, wait + busy), "data_wait": wait_share,
                   "world_size": world, "lr": optimizer.param_groups[0]["lr"],
-                  **schedule.state_dict()}  # samples seen and planned
+                  "strategy": args.strategy, **schedule.state_dict(),  # samples seen, planned
+                  **timeline.epoch_summary()}
         if not done:
             epoch += 1
         save(out / "last.pt")

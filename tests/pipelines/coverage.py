@@ -35,7 +35,9 @@ def seen_keys(folder: Path, world: int) -> list[dict[int, list[str]]]:
 
 
 def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The epoch records of ``out/metrics.jsonl`` (not the run's settings or timed steps)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("kind", "epoch") == "epoch"]
 
 
 def training_keys(cache: Path) -> list[str]:

@@ -87,16 +87,19 @@ def test_one_process_fine_tunes_minilm_to_tell_the_labels_apart(minilm_cache, tm
 
 
 @pytest.mark.slow
-def test_a_run_stopped_on_two_ranks_resumes_on_three_with_each_sample_once(minilm_cache,
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_stopped_on_two_ranks_resumes_on_three_with_each_sample_once(minilm_cache, strategy,
                                                                            tmp_path):
     out, keys = tmp_path / "run", tmp_path / "keys"
     train = training_keys(minilm_cache)
     assert len(train) == 54
     common = ["--cache", str(minilm_cache), "--out", str(out), "--batch-size", "3",
-              "--workers", "0", "--epochs", "1", "--log-keys", str(keys), "--lr", "1e-4"]
+              "--workers", "0", "--epochs", "1", "--log-keys", str(keys), "--lr", "1e-4",
+              "--strategy", strategy]
     first = epochs_of(run_torchrun(FINETUNE, 2, *common, "--max-steps", "4"))
     checkpoint = load_checkpoint(out / "last.pt")
     assert first[-1]["step"] == checkpoint["step"] == 4 and checkpoint["epoch"] == 0
+    assert checkpoint["strategy"] == strategy
     assert checkpoint["sampler"]["done"] == [[2, 3, 4]]  # 4 of 9 batches per rank trained
     assert checkpoint["schedule"]["samples_seen"] == 4 * 2 * 3
 

@@ -1,6 +1,7 @@
 """pipelines/faces/train.py under torchrun: 2 CPU ranks (gloo, bf16 autocast) learn on the
-OneCycle learning rate curve, and a run stopped mid-epoch resumes from its checkpoint with more
-epochs on fewer ranks: on every sample once per epoch, on the curve of its new plan."""
+OneCycle learning rate curve and log a step timeline, and a run with ZeRO-1 (the optimizer state
+sharded) stopped mid-epoch resumes from its checkpoint with more epochs on fewer ranks: on every
+sample once per epoch, on the curve of its new plan."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_two_ranks_learn_and_report_throughput_and_data_wait(face_cache, tmp_pat
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
     assert all(r["world_size"] == 2 and r["samples_per_s"] > 0 for r in records)
     assert all(0 <= r["data_wait"] <= 1 for r in records)
+    assert all(r["strategy"] == "ddp" and r["timeline"]["batches"] > 0 for r in records)
     assert records[-1]["train_loss"] < 0.7 * records[0]["train_loss"]
     rows = read_lr_log(tmp_path / "run")
     assert {planned for _, _, planned, _ in rows} == {4 * len(training_keys(face_cache))}
@@ -45,9 +47,10 @@ def test_a_stopped_run_resumes_with_more_epochs_on_fewer_ranks_on_the_new_curve(
     out, keys = tmp_path / "run", tmp_path / "keys"
     train = training_keys(face_cache)
     common = ["--cache", str(face_cache), "--out", str(out), "--batch-size", "4", "--workers", "0",
-              "--log-keys", str(keys)]
+              "--log-keys", str(keys), "--strategy", "zero"]
     first = run_torchrun(TRAIN, 3, *common, "--epochs", "1", "--max-steps", "2")
     checkpoint = load_checkpoint(out / "last.pt")  # weights only: plain data and tensors
+    assert checkpoint["strategy"] == "zero"  # the optimizer state gathered from 3 ranks
     assert first[-1]["step"] == checkpoint["step"] == 2 and checkpoint["epoch"] == 0
     assert checkpoint["loader"]["offset"] == 2 * 3 * 4 < checkpoint["loader"]["size"]  # mid-epoch
     assert checkpoint["schedule"] == {"samples_seen": 24, "samples_planned": len(train)}

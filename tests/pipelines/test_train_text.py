@@ -49,6 +49,7 @@ def test_two_ranks_learn_the_labels_with_little_padding(text_cache, tmp_path):
     assert all(r["world_size"] == 2 and r["samples_per_s"] > 0 and r["tokens_per_s"] > 0
                for r in records)
     assert all(0 <= r["data_wait"] <= 1 and 0 <= r["padding"] < 0.5 for r in records)
+    assert all(r["timeline"]["batches"] > 0 for r in records)
     assert records[-1]["train_loss"] < 0.7 * records[0]["train_loss"]
     assert records[-1]["val_accuracy"] > 0.8
     checkpoint = load_checkpoint(tmp_path / "run" / "last.pt")
@@ -94,6 +95,24 @@ def test_a_stopped_run_resumes_on_fewer_ranks_and_with_more_epochs_on_the_new_cu
     assert_on_the_curve(rows, PEAK)
     rates = [lr for *_, lr in rows[12:]]
     assert rates[0] > 0.8 * PEAK and sum(rates) / len(rates) > 0.3 * PEAK
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_stopped_on_two_ranks_resumes_on_three_from_its_shards(text_cache, tmp_path):
+    out, keys = tmp_path / "run", tmp_path / "keys"
+    common = ["--cache", str(text_cache), "--out", str(out), "--batch-size", "4", "--workers", "0",
+              "--epochs", "1", "--log-keys", str(keys), "--strategy", "fsdp"]
+    run_torchrun(TRAIN, 2, *common, "--max-steps", "3")
+    checkpoint = load_checkpoint(out / "last.pt")
+    assert checkpoint["strategy"] == "fsdp" and "model" not in checkpoint  # the shards hold it
+    assert (out / checkpoint["shards"] / ".metadata").is_file()
+    assert checkpoint["sampler"]["done"] == [[2, 4, 3]]
+    finished = run_torchrun(TRAIN, 3, *common, "--resume", str(out / "last.pt"))
+    # 108 - 24 = 84 documents left: 7 rounds of 3 x 4, none repeated
+    assert [(r["epoch"], r["world_size"], r["step"], r["strategy"]) for r in finished] == [
+        (0, 3, 3 + 7, "fsdp")]
+    assert_each_sample_once_per_epoch(keys_per_epoch(keys, 3), training_keys(text_cache), pads=[0])
+    assert_on_the_curve(read_lr_log(out), PEAK)
 
 
 def test_a_checkpoint_that_would_run_code_is_refused_with_one_line_naming_it(text_cache,
