@@ -143,9 +143,13 @@ def load_model(folder: Path, classes: list[str]) -> nn.Module:
         raise SystemExit("fine-tuning needs Hugging Face transformers: "
                          "pip install 'precache[hf]'") from None
     hf_logging.set_verbosity_error()  # its load report lists the new head as missing: expected
-    return AutoModelForSequenceClassification.from_pretrained(
+    model = AutoModelForSequenceClassification.from_pretrained(
         folder, num_labels=len(classes), id2label=dict(enumerate(classes)),
         label2id={name: i for i, name in enumerate(classes)})
+    # fp32 master weights whatever the file holds: transformers 5 keeps a checkpoint's dtype,
+    # and fp16 weights trained directly give NaN losses (seen on an H100 with an fp16 copy of
+    # MiniLM) and fp16 gradients that GradScaler refuses to unscale. Autocast does the rest.
+    return model.float()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,8 @@
 """precache doctor's rules on recorded timelines: a loader-bound run recorded here, and the
-metrics.jsonl of a real MiniLM fine-tune on this machine's CPU (timelines/minilm_cpu_fp32.jsonl,
-recorded by pipelines/text/finetune.py --batch-size 8 --workers 0); and the real command."""
+metrics.jsonl of real MiniLM fine-tunes by pipelines/text/finetune.py: on this machine's CPU
+(timelines/minilm_cpu_fp32.jsonl, --batch-size 8 --workers 0) and on an H100
+(timelines/minilm_h100_fp32.jsonl and _fp16, --batch-size 32 --workers 4, 16 CPUs; phases timed
+with CUDA events); and the real command."""
 
 from __future__ import annotations
 
@@ -57,6 +59,18 @@ def test_the_recorded_minilm_cpu_run_is_told_to_compile_and_step_less_often_not_
     # bf16 is emulated on a CPU without AVX512-BF16/AMX (measured 23x slower): not advised there,
     # advised where the CPU has it.
     assert "mixed-precision" in rules(diagnose(dict(config, cpu_bf16=True), epochs[-1]))
+
+
+@pytest.mark.parametrize("run, fired", [("minilm_h100_fp32", ["more-workers"]),
+                                        ("minilm_h100_fp16", ["more-workers", "compile"])])
+def test_the_recorded_h100_runs_are_told_to_add_loader_workers(run, fired):
+    config, epochs, steps = load_timeline(RECORDED / f"{run}.jsonl")
+    assert config["device"] == "cuda" and config["pin_memory"] and len(epochs) == 2
+    assert all(s["forward_s"] > 0 for s in steps)  # CUDA events, read after the step
+    found = diagnose(config, epochs[-1])
+    assert rules(found) == fired
+    assert "with 4 loader workers per rank on 16 CPUs, 1 rank" in found[0].evidence
+    assert "--workers to 15" in found[0].advice
 
 
 def test_gpu_rules_fire_on_cuda_runs_only():
