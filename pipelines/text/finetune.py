@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     val_idx = list(range(0, len(labels), 10))
     train_idx = [i for i in range(len(labels)) if i % 10]
     columns = ["ids", "label", "key"] if args.log_keys else ["ids", "label"]
-    data = CachedDataset(args.cache, columns=columns)
+    data = CachedDataset(args.cache, columns=columns, generation=meta_set.generation)
     model = load_model(model_folder, classes)
     pad_id = model.config.pad_token_id or 0
     limit = getattr(model.config, "max_position_embeddings", None)
