@@ -110,6 +110,11 @@ class CacheLoader:
     def dataset(self) -> Any:
         return self.loader.dataset
 
+    @property
+    def batch_sampler(self) -> Any:
+        """The DataLoader's (Lightning reads it to tell whether a validation loader shuffles)."""
+        return self.loader.batch_sampler
+
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (keeps a resumed position if ``load_state_dict`` set that epoch, and
         the batches ``start_epoch`` already asked for)."""

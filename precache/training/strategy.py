@@ -17,12 +17,21 @@ Checkpoint layout of fsdp: ``last.pt`` (weights-only loadable, written by rank 0
 rank's shards are on disk) holds the plain state (schedule, sampler, epoch...) and
 ``{"strategy": "fsdp", "shards": "<folder name>"}``; the shards are in that folder beside it,
 named uniquely per save. A save killed half-way leaves a folder ``last.pt`` does not name (it is
-removed by the next save), never a checkpoint that looks complete. A ddp or zero checkpoint
-resumes under fsdp (the full state is sharded on load); an fsdp checkpoint resumes only under
-fsdp (the message says so).
+removed by the next save), never a checkpoint that looks complete: ``last.pt`` is replaced
+(atomically) only once every rank's shards and DCP's ``.metadata`` are written.
+
+Every checkpoint resumes under every strategy, on any number of ranks: a ddp or zero file is
+sharded on load under fsdp; fsdp shards load into a whole model under ddp (or on one process, for
+evaluation), and under zero through a whole optimizer built for the load, whose state ZeRO then
+partitions (so for a moment each rank holds all of it).
+
+Gradient clipping needs nothing special: under fsdp the gradients are DTensors, and
+``nn.utils.clip_grad_norm_`` returns their global norm (a replicated DTensor) in torch 2.13.
 
 Tested on CPU with gloo (2 and 3 ranks): the three strategies follow the same loss curve on a
-fixed seed, and checkpoints resume on another number of ranks.
+fixed seed; the model and optimizer state loaded on 3 ranks equal those saved by 2; checkpoints
+move between strategies; under fsdp an inf in one rank's gradient shard makes every rank skip the
+step.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ class Strategy:
             raise ValueError(f"unknown strategy {name!r}; one of {', '.join(STRATEGIES)}")
         self.name, self.rank, self.world_size, self.device = name, rank, world_size, device
         self.sharded = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self._optimizer_args: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None
 
     # -- the model and the optimizer ------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -70,6 +80,9 @@ class Strategy:
         if self.name == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
+            for param in model.parameters():  # FSDP2 shards contiguous tensors only
+                if not param.is_contiguous():  # e.g. channels_last conv weights
+                    param.data = param.data.contiguous()
             for block in _blocks(model):
                 fully_shard(block)
             fully_shard(model)
@@ -79,7 +92,9 @@ class Strategy:
 
     def make_optimizer(self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                        **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_class`` over ``model``'s parameters; sharded over the ranks under zero."""
+        """``optimizer_class`` over ``model``'s parameters; sharded over the ranks under zero (on
+        one process, the plain optimizer: there is nothing to shard)."""
+        self._optimizer_args = (optimizer_class, kwargs)  # zero builds a whole one to load shards
         if self.name == "zero" and self.sharded:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -92,13 +107,15 @@ class Strategy:
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
     def grad_scaler(self, enabled: bool) -> torch.amp.GradScaler:
-        """The loss scaler of fp16 (``enabled``). Under fsdp each rank holds a shard of the
-        gradients, so whether any is inf must be agreed over the ranks: FSDP's
-        ``ShardedGradScaler`` all-reduces it; otherwise torch's ``GradScaler``."""
-        if self.name == "fsdp" and self.sharded and enabled:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        """The loss scaler of fp16 (``enabled``): torch's ``GradScaler`` under every strategy.
 
-            return ShardedGradScaler(self.device.type)
+        Under fsdp each rank holds a shard of the gradients, so whether any is inf must be
+        agreed over the ranks, or one rank skips a step that another takes. FSDP2's gradients
+        are DTensors, and DTensor's dispatch of the unscale op all-reduces ``found_inf`` (max)
+        over the mesh (torch 2.13, ``found_inf_reduce_handler`` in
+        ``torch/distributed/tensor/_dispatch.py``). FSDP1's ``ShardedGradScaler`` would
+        all-reduce it a second time and warn on every step.
+        """
         return torch.amp.GradScaler(self.device.type, enabled=enabled)
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -139,10 +156,16 @@ class Strategy:
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              map_location: Any = None) -> dict[str, Any]:
         """Restore ``model`` and ``optimizer`` from ``path`` in place; return the plain state.
-        Every rank calls it; the checkpoint may come from another number of ranks.
+        Every rank calls it; the checkpoint may come from another strategy and another number
+        of ranks.
+
+        Args:
+            map_location: unused, kept for the call's shape: tensors are read to the CPU and
+                copied to the parameters' devices.
 
         Raises:
-            StrategyMismatch: an fsdp checkpoint resumed without fsdp, or its shards are gone.
+            StrategyMismatch: the checkpoint's shard folder is missing or incomplete, or an fsdp
+                checkpoint resumed under zero with an optimizer not built by ``make_optimizer``.
             CheckpointRefused: the file holds more than tensors and plain data.
         """
         path = Path(path)
@@ -150,15 +173,14 @@ class Strategy:
         saved = state.pop("strategy", "ddp")  # checkpoints from before strategies were ddp's
         shards = state.pop("shards", None)
         if saved == "fsdp" and shards is not None:
-            if self.name != "fsdp":
-                raise StrategyMismatch(
-                    f"{path} holds FSDP shards; resume it with --strategy fsdp (a ddp or zero "
-                    f"checkpoint resumes under any strategy, an fsdp one only under fsdp)")
             folder = path.with_name(shards)
             if not (folder / ".metadata").is_file():
                 raise StrategyMismatch(f"{path} names the shard folder {folder}, which is missing "
                                        "or incomplete; resume from an earlier checkpoint")
-            self._load_shards(folder, model, optimizer)
+            if self.name == "zero" and self.sharded:
+                self._load_shards_into_zero(path, folder, model, optimizer)
+            else:  # fsdp re-shards them; a whole model (ddp, one process) reads them whole
+                self._load_shards(folder, model, optimizer)
             return state
         model_state, optimizer_state = state.pop("model"), state.pop("optimizer")
         if self.name == "fsdp" and self.sharded:  # a full file, sharded on load
@@ -183,6 +205,19 @@ class Strategy:
         dcp.load(target, checkpoint_id=folder)  # DCP re-shards to it
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
+
+    def _load_shards_into_zero(self, path: Path, folder: Path, model: nn.Module,
+                               optimizer: torch.optim.Optimizer) -> None:
+        """fsdp shards under zero: DCP fills the model and a whole optimizer of the same kind;
+        ZeroRedundancyOptimizer keeps this rank's part of the latter's state."""
+        if self._optimizer_args is None:
+            raise StrategyMismatch(f"{path} holds fsdp shards, which --strategy zero loads only "
+                                   "into an optimizer built by Strategy.make_optimizer; build it "
+                                   "there, or resume with --strategy fsdp or ddp")
+        optimizer_class, kwargs = self._optimizer_args
+        whole = optimizer_class(self.unwrap(model).parameters(), **kwargs)
+        self._load_shards(folder, model, whole)
+        optimizer.load_state_dict(whole.state_dict())  # every rank: its part (by index)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
