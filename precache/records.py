@@ -1,4 +1,4 @@
-"""Record files: a JSON Lines, CSV or Parquet file holds many inputs, one per record.
+"""Record files: a JSON Lines, CSV, Parquet or Arrow file holds many inputs, one per record.
 
 Each record is an input of its own, keyed ``<file>:<n>``, so one bad record is one failed input
 and a re-run recomputes only the records whose bytes changed:
@@ -11,6 +11,10 @@ and a re-run recomputes only the records whose bytes changed:
 - **Parquet** (``.parquet``): each row; ``n`` is its row index, from 0. Its bytes are the row
   rendered as a JSON object (read from its row group; the last row group read is kept, so rows
   read in order cost one read per row group).
+- **Arrow** (``.arrow``, IPC stream or file; the ``data-*.arrow`` of a ``datasets.Dataset``
+  ``save_to_disk`` folder, or a dataset's cache files): each row, as Parquet (read from its
+  record batch, memory-mapped). A ``ClassLabel`` column that ``datasets`` recorded in the
+  file's schema is rendered as its class name, not its index.
 
 ``parse_record`` turns a record's bytes back into a dict; errors name the line or row.
 """
@@ -25,6 +29,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from precache.storage import is_remote, open_input_file
@@ -32,10 +38,10 @@ from precache.storage import is_remote, open_input_file
 __all__ = ["RECORD_SUFFIXES", "is_record_key", "record_name", "records_of", "read_record",
            "parse_record", "natural_key"]
 
-RECORD_SUFFIXES = (".jsonl", ".csv", ".parquet")
+RECORD_SUFFIXES = (".jsonl", ".csv", ".parquet", ".arrow")
 """Files whose records are separate inputs (when the pipeline's extensions include the suffix)."""
 
-_RECORD_KEY = re.compile(r"^(?P<file>.*\.(?:jsonl|csv|parquet)):(?P<n>\d+)$", re.IGNORECASE)
+_RECORD_KEY = re.compile(r"^(?P<file>.*\.(?:jsonl|csv|parquet|arrow)):(?P<n>\d+)$", re.IGNORECASE)
 _RANGES = re.compile(r"^(?P<path>.*)#(?P<ranges>\d+\+\d+(?:,\d+\+\d+)*)$")
 _ROW = re.compile(r"^(?P<path>.*)#row=(?P<row>\d+)$")
 _CSV_FIELD_LIMIT = 1 << 30  # the csv module's default (128 KiB) is shorter than many documents
@@ -47,11 +53,11 @@ def is_record_key(key: str) -> bool:
 
 
 def record_name(key: str) -> str:
-    """How errors name a record: ``line 12`` (JSON Lines, CSV) or ``row 12`` (Parquet)."""
+    """How errors name a record: ``line 12`` (JSON Lines, CSV) or ``row 12`` (Parquet, Arrow)."""
     match = _RECORD_KEY.match(key)
     if match is None:
         return key
-    kind = "row" if match["file"].lower().endswith(".parquet") else "line"
+    kind = "row" if match["file"].lower().endswith((".parquet", ".arrow")) else "line"
     return f"{kind} {match['n']}"
 
 
@@ -68,8 +74,8 @@ def records_of(path: str) -> Iterator[tuple[int, str, int]]:
         OSError: the file cannot be read (or, for Parquet, is not a readable Parquet file).
     """
     lower = path.lower()
-    if lower.endswith(".parquet"):
-        yield from _parquet_rows(path)
+    if lower.endswith((".parquet", ".arrow")):
+        yield from _table_rows(path)
         return
     with _open(path) as f:
         data = f.read()
@@ -122,13 +128,30 @@ def _csv_record(path: str, header: tuple[int, int], line: int, start: int,
     return line, f"{path}#{header[0]}+{header[1]},{start}+{end - start}", header[1] + 1 + end - start
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[int, str, int]]:
+def _arrow_batches(path: str) -> Iterator[pa.RecordBatch]:
+    """The record batches of an Arrow IPC file or stream (local files memory-mapped)."""
+    with (_open(path) if is_remote(path) else pa.memory_map(path)) as f:
+        try:
+            reader = pa.ipc.open_file(f)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+            return
+        except pa.ArrowInvalid:  # not the file format: the stream format (datasets writes it)
+            f.seek(0)
+        yield from pa.ipc.open_stream(f)
+
+
+def _table_rows(path: str) -> Iterator[tuple[int, str, int]]:
+    """The rows of a Parquet or Arrow file."""
     try:
-        with _open(path) as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
+        if path.lower().endswith(".arrow"):
+            rows = sum(batch.num_rows for batch in _arrow_batches(path))
+        else:
+            with _open(path) as f:
+                rows = pq.ParquetFile(f).metadata.num_rows
     except OSError:
         raise
-    except Exception:  # noqa: BLE001 - not Parquet: one input, whose read fails with the reason
+    except Exception:  # noqa: BLE001 - not Parquet/Arrow: one input; its read fails with why
         rows = 1
     for row in range(rows):
         yield row, f"{path}#row={row}", 0
@@ -137,7 +160,38 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, str, int]]:
 _row_group: tuple[tuple[str, int, int], int, list[dict[str, Any]]] | None = None
 
 
-def _parquet_row(path: str, row: int) -> bytes:
+def _groups(path: str) -> Iterator[tuple[int, Any]]:
+    """``(rows, read)`` of each row group (Parquet) or record batch (Arrow) of ``path``;
+    ``read()`` gives its rows as dicts."""
+    if path.lower().endswith(".arrow"):
+        for batch in _arrow_batches(path):
+            yield batch.num_rows, lambda batch=batch: _class_names(batch).to_pylist()
+        return
+    with _open(path) as f:
+        parquet = pq.ParquetFile(f)
+        for group in range(parquet.metadata.num_row_groups):
+            yield (parquet.metadata.row_group(group).num_rows,
+                   lambda group=group: parquet.read_row_group(group).to_pylist())
+
+
+def _class_names(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with each ``ClassLabel`` column that ``datasets`` recorded in the schema's
+    metadata as its class names (index -1, no label, as null)."""
+    meta = (batch.schema.metadata or {}).get(b"huggingface")
+    features = json.loads(meta).get("info", {}).get("features", {}) if meta else {}
+    for name, feature in features.items():
+        if (isinstance(feature, dict) and feature.get("_type") == "ClassLabel"
+                and name in batch.schema.names):
+            names = pa.array(feature["names"] + [None], pa.string())
+            i = batch.schema.get_field_index(name)
+            index = batch.column(i).cast(pa.int64())
+            index = pc.if_else(pc.less(index, 0), len(names) - 1, index)  # -1: the null
+            batch = batch.set_column(i, name, names.take(index))
+    return batch
+
+
+def _table_row(path: str, row: int) -> bytes:
+    """Row ``row`` of a Parquet or Arrow file, as a JSON object."""
     global _row_group
     try:
         if is_remote(path):  # one request per row would be slow: assume it does not change
@@ -147,22 +201,20 @@ def _parquet_row(path: str, row: int) -> bytes:
             stamp = (path, st.st_mtime_ns, st.st_size)
         if _row_group is None or _row_group[0] != stamp or not (
                 _row_group[1] <= row < _row_group[1] + len(_row_group[2])):
-            with _open(path) as f:
-                parquet = pq.ParquetFile(f)
-                first = 0
-                for group in range(parquet.metadata.num_row_groups):
-                    count = parquet.metadata.row_group(group).num_rows
-                    if row < first + count:
-                        _row_group = (stamp, first, parquet.read_row_group(group).to_pylist())
-                        break
-                    first += count
-                else:
-                    raise OSError(f"{path} has no row {row} (it has {first}); it changed since "
-                                  "it was listed: re-run")
+            first = 0
+            for count, read in _groups(path):
+                if row < first + count:
+                    _row_group = (stamp, first, read())
+                    break
+                first += count
+            else:
+                raise OSError(f"{path} has no row {row} (it has {first}); it changed since "
+                              "it was listed: re-run")
     except OSError:
         raise
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet
-        raise OSError(f"{path} is not a readable Parquet file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet/Arrow
+        kind = "Arrow" if path.lower().endswith(".arrow") else "Parquet"
+        raise OSError(f"{path} is not a readable {kind} file ({e})") from None
     record = _row_group[2][row - _row_group[1]]
     return json.dumps(record, ensure_ascii=False, default=str).encode("utf-8")
 
@@ -187,7 +239,7 @@ def read_record(locator: str) -> bytes | None:
                 parts.append(data)
         return b"\n".join(parts)
     if match := _ROW.match(locator):
-        return _parquet_row(match["path"], int(match["row"]))
+        return _table_row(match["path"], int(match["row"]))
     return None
 
 

@@ -32,7 +32,7 @@ from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_k
                                open_lr_log, optimizer_step)
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
-from precache.training.strategy import STRATEGIES, make_strategy
+from precache.training.strategy import STRATEGIES, StrategyMismatch, make_strategy
 from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
@@ -138,7 +138,7 @@ def main() -> None:
     if args.resume:
         try:
             state = strategy.load(Path(args.resume), model, optimizer, map_location=device)
-        except CheckpointRefused as e:
+        except (CheckpointRefused, StrategyMismatch) as e:  # one line, naming the file
             raise SystemExit(str(e)) from None
         # After the optimizer's, which restores the saved rate. A checkpoint from before the
         # progress schedule has none: the start of its epoch is close enough.

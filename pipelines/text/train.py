@@ -20,7 +20,12 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -32,6 +37,7 @@ from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
+from precache.training.step import auto_precision
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
 from precache.training.strategy import STRATEGIES, make_strategy
@@ -40,20 +46,24 @@ from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_re
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", required=True, help="a cache of the text pipeline")
-    p.add_argument("--out", default="runs/text", help="checkpoints and the metrics log")
+def add_loop_args(p: argparse.ArgumentParser, *, out: str, lr: float,
+                  precisions: tuple[str, ...] = ("bf16", "fp16", "fp32"),
+                  precision: str = "bf16") -> None:
+    """The options of ``fit``'s loop, shared with ``finetune.py``."""
+    p.add_argument("--out", default=out, help="checkpoints and the metrics log")
     p.add_argument("--epochs", type=int, default=3,
                    help="epochs of the whole run, which the learning rate schedule spans; resume "
                         "with more to extend a run")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (OneCycle)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (OneCycle)")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
-                   help="autocast dtype; fp16 (CUDA only) uses a GradScaler")
+    p.add_argument("--precision", choices=precisions, default=precision,
+                   help="autocast dtype; fp16 (CUDA only) uses a GradScaler" + (
+                       ". auto: bf16 on a GPU that has it (else fp16), fp32 on a CPU without "
+                       "native bf16 (AVX512-BF16, AMX), where bf16 is emulated (measured 23x "
+                       "slower on an AVX2 CPU)" if "auto" in precisions else ""))
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
                    help="ddp: replicate the model; zero: ZeRO-1, shard the optimizer state; "
                         "fsdp: FSDP2, shard parameters, gradients and optimizer state")
@@ -62,16 +72,22 @@ def parse_args() -> argparse.Namespace:
                    help="time the phases of about one batch in N (the data wait: every batch)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N optimizer steps")
-    p.add_argument("--resume", default=None, help="checkpoint to continue from")
+    p.add_argument("--resume", default=None, help="checkpoint to continue from (any world size)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-keys", default=None, metavar="DIR",
+                   help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv "
+                        "(to check that the ranks see each sample once per epoch)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", required=True, help="a cache of the text pipeline")
+    add_loop_args(p, out="runs/text", lr=1e-3)
     p.add_argument("--vocab-size", type=int, default=VOCAB,
                    help="the tokenizer's vocabulary size (default: BERT WordPiece's, the text "
                    "pipeline's default tokenizer; for your own, what `precache tokenizer train` "
                    "printed)")
-    p.add_argument("--log-keys", default=None, metavar="DIR",
-                   help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv "
-                        "(to check that the ranks see each sample once per epoch)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 class TextClassifier(nn.Module):
@@ -94,8 +110,42 @@ class TextClassifier(nn.Module):
         return self.head((x * m).sum(1) / m.sum(1).clamp_min(1))
 
 
-def main() -> None:
-    args = parse_args()
+@dataclass
+class TextModel:
+    """What ``fit`` trains, from the classes and the cached lengths.
+
+    Attributes:
+        module: on the CPU; ``fit`` moves and wraps it.
+        logits: (module, ids, mask) -> (batch, classes) logits.
+        vocab_size: a cached id at or beyond it stops the run with ``vocab_advice``.
+        pad_id: the id ``TokenCollate`` pads with.
+        extra: added to every checkpoint and to the run record.
+    """
+
+    module: nn.Module
+    logits: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    vocab_size: int
+    vocab_advice: str
+    pad_id: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+
+    def build(classes: list[str], lengths: np.ndarray) -> TextModel:
+        max_length = -(-int(lengths.max()) // 8) * 8  # TokenCollate pads to multiples of 8
+        return TextModel(TextClassifier(len(classes), max_length, args.vocab_size),
+                         lambda net, ids, mask: net(ids, mask), args.vocab_size,
+                         f"beyond --vocab-size {args.vocab_size}: pass the vocabulary size of "
+                         "the tokenizer that built the cache", extra={"max_length": max_length})
+
+    fit(args, build)
+
+
+def fit(args: argparse.Namespace, build: Callable[[list[str], np.ndarray], TextModel]) -> None:
+    """Train ``build(classes, lengths)``'s model on ``args.cache`` (every 10th row held out)
+    with the options of ``add_loop_args``: the loop of this trainer and of ``finetune.py``."""
     rank, world, _, device = init_distributed()  # torchrun's or srun's environment
     torch.manual_seed(args.seed)  # every rank starts from the same weights
     out = Path(args.out)
@@ -107,12 +157,12 @@ def main() -> None:
     lengths, labels = meta["length"], list(meta["label"])
     classes = sorted(set(labels))  # label string -> int, fixed for the run (and its checkpoint)
     label_id = {name: i for i, name in enumerate(classes)}
-    max_length = -(-int(lengths.max()) // 8) * 8  # TokenCollate pads to multiples of 8
     val_idx = list(range(0, len(labels), 10))
     train_idx = [i for i in range(len(labels)) if i % 10]
     columns = ["ids", "label", "key"] if args.log_keys else ["ids", "label"]
-    data = CachedDataset(args.cache, columns=columns)
-    collate = TokenCollate(column="ids", pad_id=0, multiple_of=8)
+    data = CachedDataset(args.cache, columns=columns, generation=meta_set.generation)
+    built = build(classes, lengths)
+    collate = TokenCollate(column="ids", pad_id=built.pad_id, multiple_of=8)
     sampler = LengthBucketSampler(lengths[train_idx], args.batch_size, seed=args.seed)  # Subset positions
     loader = DataLoader(Subset(data, train_idx), batch_sampler=sampler, collate_fn=collate,
                         num_workers=args.workers, pin_memory=device.type == "cuda",
@@ -124,11 +174,12 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world - args.workers))
 
     strategy = make_strategy(args.strategy, rank=rank, world_size=world, device=device)
-    model = strategy.wrap(TextClassifier(len(classes), max_length, args.vocab_size).to(device))
+    model = strategy.wrap(built.module.to(device))
     optimizer = strategy.make_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=1e-2)
     # Planned from this run's settings, also on resume: more --epochs stretch the curve.
     schedule = OneCycleSchedule(optimizer, args.lr, samples_planned=args.epochs * len(train_idx))
-    amp_dtype, _ = mixed_precision(args.precision, device)
+    precision = auto_precision(device) if args.precision == "auto" else args.precision
+    amp_dtype, _ = mixed_precision(precision, device)
     scaler = strategy.grad_scaler(enabled=amp_dtype is torch.float16)
 
     epoch, step, position = 0, 0, 0  # position: batches this rank trained on in this epoch
@@ -154,16 +205,15 @@ def main() -> None:
         strategy.save(path, model, optimizer, {
             "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
             "sampler": sampler.state_dict(batches=position), "classes": classes,
-            "max_length": max_length, "epoch": epoch, "step": step})
+            "epoch": epoch, "step": step, **built.extra})
         if lr_log is not None:
             lr_log.flush()
 
     def to_device(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         targets = torch.tensor([label_id[name] for name in batch["label"]])
-        if int(batch["input_ids"].max()) >= args.vocab_size:  # on the CPU copy: no device sync
+        if int(batch["input_ids"].max()) >= built.vocab_size:  # the CPU copy: no device sync
             raise SystemExit(f"{args.cache} holds token id {int(batch['input_ids'].max())}, "
-                             f"beyond --vocab-size {args.vocab_size}: pass the vocabulary size "
-                             "of the tokenizer that built the cache")
+                             f"{built.vocab_advice}")
         return (batch["input_ids"].to(device, non_blocking=True),
                 batch["attention_mask"].to(device, non_blocking=True), targets.to(device, non_blocking=True))
 
@@ -171,10 +221,10 @@ def main() -> None:
     if log is not None:
         log.write(json.dumps(run_record(
             device=device.type, world_size=world, workers=args.workers, cpus=os.cpu_count(),
-            batch_size=args.batch_size, accumulate=args.accumulate, precision=args.precision,
+            batch_size=args.batch_size, accumulate=args.accumulate, precision=precision,
             cpu_bf16=cpu_has_native_bf16(), compile=args.compile, channels_last=None,
             input="tokens", columns=columns, columns_used=columns, transform_in_loader=False,
-            pin_memory=device.type == "cuda", strategy=args.strategy)) + "\n")
+            pin_memory=device.type == "cuda", strategy=args.strategy, **built.extra)) + "\n")
     timeline = StepTimeline(device, every=args.timeline_every, seed=args.seed, log=log, rank=rank)
     keys_log = open_keys_log(args.log_keys, rank)
     while epoch < args.epochs:
@@ -197,7 +247,7 @@ def main() -> None:
                 ids, mask, targets = to_device(batch)
             with timeline.phase("forward"), torch.autocast(device.type, dtype=amp_dtype,
                                                           enabled=amp_dtype is not None):
-                loss = nn.functional.cross_entropy(net(ids, mask).float(), targets)
+                loss = nn.functional.cross_entropy(built.logits(net, ids, mask).float(), targets)
             with timeline.phase("backward"):
                 scaler.scale(loss / args.accumulate).backward()
             running += loss.detach()  # a tensor: no host sync, no graph kept
@@ -231,7 +281,7 @@ def main() -> None:
             for batch in val_loader:
                 ids, mask, targets = to_device(batch)
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    correct += (net(ids, mask).argmax(-1) == targets).sum()
+                    correct += (built.logits(net, ids, mask).argmax(-1) == targets).sum()
                 val_n += len(targets)
         totals = torch.tensor([correct.item(), val_n, seen, tokens.item(), slots.item(), wait,
                                wait + busy], dtype=torch.float64, device=device)

@@ -1,8 +1,9 @@
 """Stage-1 inputs: list a folder (or a list file) as sorted ``Input``s; read and hash their bytes.
 
-A JSON Lines, CSV or Parquet file (where the pipeline accepts the suffix) holds many inputs, one
-per record, keyed ``<file>:<n>`` (see ``precache.records``): one bad record is one failed input,
-and a re-run recomputes only the records whose bytes changed.
+A JSON Lines, CSV, Parquet or Arrow file (where the pipeline accepts the suffix) holds many
+inputs, one per record, keyed ``<file>:<n>`` (see ``precache.records``): one bad record is one
+failed input, and a re-run recomputes only the records whose bytes changed. A ``datasets.Dataset``
+is read from the Arrow files behind it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import pyarrow.fs as pafs
 
@@ -179,21 +180,51 @@ def _read_remote_list(store: Store) -> list[Input]:
     return inputs
 
 
-def list_inputs(path: str | os.PathLike[str], extensions: tuple[str, ...]) -> list[Input]:
+def _dataset_files(dataset: Any) -> list[Input]:
+    """The Arrow files behind a ``datasets.Dataset`` (each keyed by its file name, as in the
+    ``save_to_disk`` folder it was loaded from), when they hold exactly its rows."""
+    if getattr(dataset, "_indices", None) is not None:
+        raise InputError("this datasets.Dataset selects rows of its files through an indices "
+                         "mapping (shuffle, select, filter, train_test_split): pass "
+                         "dataset.flatten_indices(), or save_to_disk(folder) and pass the folder")
+    files = [Path(f["filename"]) for f in dataset.cache_files]
+    if not files:
+        raise InputError("this datasets.Dataset is in memory, with no files to read: "
+                         "dataset.save_to_disk(folder) and pass the folder")
+    return [_stat_input(file.name, file) for file in files]
+
+
+def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...]) -> list[Input]:
     """List the inputs under ``path``, sorted by key.
 
     ``path`` is a folder (searched recursively for files ending in ``extensions``; hidden files
     and folders are ignored), a single matching file, or a ``.txt``/``.lst`` file listing paths
     (relative to the list file's folder); a local path or a URL (``s3://``, ``gs://``,
     ``file://``; see ``precache.storage``). Record files expand to one input per record.
+    ``path`` may also be a ``datasets.Dataset`` backed by Arrow files (loaded, mapped or saved
+    with ``datasets``; where ``.arrow`` is among ``extensions``): its rows are the records of
+    those files, read as they are on disk (a ``set_transform`` or ``set_format`` is not applied).
 
     Raises:
-        InputError: the path does not exist, matches nothing, or is a file of another kind.
+        InputError: the path does not exist, matches nothing, or is a file of another kind; a
+            dataset is in memory, selects rows through an indices mapping, or has rows that are
+            not in its files.
     """
-    root = os.fspath(path)
-    inputs = (list_remote_inputs(root, extensions) if is_remote(root)
-              else _list_local(Path(root), extensions))
+    dataset = path if hasattr(path, "cache_files") and hasattr(path, "num_rows") else None
+    root = "datasets.Dataset" if dataset is not None else os.fspath(path)
+    if dataset is not None:
+        if ".arrow" not in extensions:
+            raise InputError(f"this pipeline reads {', '.join(extensions)} files, not the Arrow "
+                             "files of a datasets.Dataset")
+        inputs = _dataset_files(dataset)
+    else:
+        inputs = (list_remote_inputs(root, extensions) if is_remote(root)
+                  else _list_local(Path(root), extensions))
     inputs = _expand_records(inputs, extensions)
+    if dataset is not None and len(inputs) != dataset.num_rows:
+        raise InputError(f"this datasets.Dataset has {dataset.num_rows} rows but its files hold "
+                         f"{len(inputs)} (part of it is in memory): save_to_disk(folder) and "
+                         "pass the folder")
     if not inputs:
         raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
     inputs.sort(key=lambda item: natural_key(item.key))

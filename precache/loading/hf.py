@@ -1,33 +1,43 @@
 """Hugging Face interop: ``transformers.Trainer`` over a precache text cache, and a cache as a
 ``datasets.Dataset`` (``pip install "precache[hf]"``; imported only by users who want it).
 
-How Trainer batches, and why precache replaces it: ``Trainer.get_train_dataloader`` builds a
-DataLoader over a ``RandomSampler`` (or its length-grouped sampler, which runs the tokenizer's
-output lengths through the dataset) and hands it to ``accelerate``, whose ``prepare`` splits the
-batches over the processes (``BatchSamplerShard``) and, with ``even_batches`` (the default),
-repeats batches from the start of the epoch to even the ranks out. ``PrecacheTrainer`` instead
-gives each rank the batches of a ``LengthBucketSampler`` built from the cache's ``length``
-column: rank-aware, every sample exactly once per epoch across ranks, batches of similar lengths
-padded only to their own longest document, and nothing re-sharded (the loader is not passed
-through ``accelerate.prepare``, which would split the rank's batches again; Trainer moves each
-batch to the device itself).
+How Trainer batches (transformers 5), and why precache replaces it: ``get_train_dataloader``
+builds a DataLoader over a ``RandomSampler`` of the whole dataset (or its ``group_by_length``
+sampler, which needs the tokenized lengths in the dataset) and passes it through
+``accelerator.prepare``, which wraps its batch sampler in a ``BatchSamplerShard``: rank r takes
+every world-th batch, and with ``even_batches`` (the default) the ranks' last batches are filled
+by repeating samples from the start of the epoch, so some samples are seen twice per epoch. On a
+resume it skips the batches already trained (``skip_first_batches``), correct only on the same
+world size.
+
+``PrecacheTrainer`` instead gives each rank its batches of an ``ExactOnceBucketSampler`` built
+from the cache's ``length`` column: every sample exactly once per epoch across ranks, the same
+number of batches on every rank, batches of similar lengths padded only to their own longest
+document (no tokenizer at training time). The loader is not passed through
+``accelerator.prepare`` (which would split each rank's batches again, 1/world^2 of the data);
+Trainer moves each batch to the device itself, and its ``skip_first_batches`` on a resume skips
+batches of the same deterministic plan.
 
     train = CachedDataset("cache/", columns=["ids", "label"])
     trainer = PrecacheTrainer(model=model, args=TrainingArguments(...), train_dataset=train,
-                              data_collator=HFTokenCollate(label_ids={"neg": 0, "pos": 1}),
-                              lengths=CachedDataset("cache/", columns=["length"])...)
+                              data_collator=HFTokenCollate(label_ids={"neg": 0, "pos": 1}))
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from precache.cache import Cache
+from precache.cache.schema import ColumnSpec
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.dataset import CachedDataset
 from precache.loading.text import TokenCollate
@@ -38,7 +48,8 @@ except ImportError as e:  # pragma: no cover - the hf extra is missing
     raise ImportError("precache.loading.hf needs Hugging Face transformers: "
                       "pip install 'precache[hf]'") from e
 
-__all__ = ["HFTokenCollate", "PrecacheTrainer", "cache_lengths", "to_hf_dataset"]
+__all__ = ["HFTokenCollate", "ExactOnceBucketSampler", "PrecacheTrainer", "cache_lengths",
+           "to_hf_dataset"]
 
 
 class HFTokenCollate:
@@ -70,6 +81,51 @@ class HFTokenCollate:
         return out
 
 
+class ExactOnceBucketSampler(LengthBucketSampler):
+    """``LengthBucketSampler`` that never repeats a sample: the samples that do not fill a last
+    global batch (``batch_size`` x ``world_size``) make a smaller last one, split over the ranks
+    as evenly as they go, instead of being padded with repeats. Which samples are left over
+    changes every epoch (with ``drop_last`` too: those are dropped).
+
+    Every rank still gets the same number of batches (DDP needs it) and every batch at least one
+    sample: when fewer samples than ranks are left over, the last two global batches share them.
+    That cannot be done with ``batch_size`` 1 (or fewer samples than ranks); then the left-over
+    samples are padded with repeats as ``LengthBucketSampler`` does, with a warning.
+
+    Args: as ``LengthBucketSampler``.
+    """
+
+    def _plan(self, remaining: np.ndarray, world: int, batch: int, part: int) -> np.ndarray:
+        size = world * batch
+        extra = len(remaining) % size
+        if not extra:
+            return super()._plan(remaining, world, batch, part)
+        rng = np.random.default_rng([self.seed, self.epoch, part, 1])
+        order = remaining[rng.permutation(len(remaining))]  # the left-over: new every epoch
+        full = len(order) - extra
+        if self.drop_last:
+            return super()._plan(order[:full], world, batch, part)
+        if extra < world:
+            full -= size  # the last two global batches share the left-over samples
+        if full < 0 or (extra < world and batch == 1):
+            warnings.warn(f"{len(remaining)} samples do not split into batches of at least one "
+                          f"sample on each of {world} ranks: {size - extra} are repeated this "
+                          "epoch (use a larger batch_size, or drop_last)", stacklevel=3)
+            return super()._plan(remaining, world, batch, part)
+        tail = order[full:]
+        rows = -(-len(tail) // size)
+        slots = np.full((rows * world, batch), -1, dtype=np.int64)  # -1: no sample
+        for j, index in enumerate(tail):  # round robin: slot sizes differ by at most one
+            slots[j % (rows * world), j // (rows * world)] = index
+        return np.concatenate([super()._plan(order[:full], world, batch, part),
+                               slots.reshape(rows, size)])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for global_batch in self._current():
+            yield [int(i) for i in global_batch[lo:hi] if i >= 0]
+
+
 def cache_lengths(dataset: Any) -> np.ndarray:
     """The ``length`` of every row of ``dataset`` (a ``CachedDataset`` or a ``Subset`` of one)."""
     base, rows = dataset, None
@@ -94,14 +150,32 @@ class _EpochLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+class _ModelInputs:
+    """A collator whose batches keep only the model's arguments: precache rows hold what the
+    collator needs (``ids``, ``label``), so columns are removed after collating, not before."""
+
+    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]], keep: Sequence[str]) -> None:
+        self.collate, self.keep = collate, set(keep)
+
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        return {k: v for k, v in self.collate(samples).items() if k in self.keep}
+
+
 class PrecacheTrainer(Trainer):
-    """``transformers.Trainer`` whose training batches come from precache's
-    ``LengthBucketSampler`` (see the module docstring for why).
+    """``transformers.Trainer`` whose training batches come from ``ExactOnceBucketSampler`` on
+    each data-parallel rank (DDP, FSDP, DeepSpeed: one rank per process), not from Trainer's
+    sampler and accelerate's sharding (see the module docstring for why). The training
+    arguments' ``train_sampling_strategy`` is not used: batches are always length-bucketed
+    (``bucket_batches=1`` makes them nearly random).
+
+    With ``remove_unused_columns`` (the default), columns the model does not take are removed
+    from the collated batch rather than from the rows, so ``ids`` and ``label`` reach the
+    collator (training and evaluation alike).
 
     Args:
         lengths: the token count of every training row, in ``train_dataset`` order; default
             read from the cache's ``length`` column (``cache_lengths``).
-        bucket_batches: passed to ``LengthBucketSampler``.
+        bucket_batches: passed to the sampler.
         Everything else: as ``Trainer``.
     """
 
@@ -111,52 +185,117 @@ class PrecacheTrainer(Trainer):
         self._lengths = lengths
         self._bucket_batches = bucket_batches
 
+    def _get_collator_with_removed_columns(self, data_collator: Callable,
+                                           description: str | None = None) -> Callable:
+        if not self.args.remove_unused_columns:
+            return data_collator
+        self._set_signature_columns_if_needed()
+        return _ModelInputs(data_collator, self._signature_columns)
+
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("PrecacheTrainer needs a train_dataset")
         lengths = self._lengths if self._lengths is not None else cache_lengths(self.train_dataset)
         if len(lengths) != len(self.train_dataset):
             raise ValueError(f"{len(lengths)} lengths for {len(self.train_dataset)} training rows")
-        sampler = LengthBucketSampler(
+        sampler = ExactOnceBucketSampler(
             lengths, self.args.per_device_train_batch_size, seed=self.args.seed,
             bucket_batches=self._bucket_batches, drop_last=self.args.dataloader_drop_last,
             rank=self.args.process_index, world_size=self.args.world_size)
         workers = self.args.dataloader_num_workers
-        return _EpochLoader(self.train_dataset, batch_sampler=sampler,
-                            collate_fn=self.data_collator, num_workers=workers,
-                            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
-                            persistent_workers=workers > 0 and
-                            self.args.dataloader_persistent_workers)
+        extra = {"prefetch_factor": self.args.dataloader_prefetch_factor,
+                 "persistent_workers": self.args.dataloader_persistent_workers,
+                 "multiprocessing_context": self.args.dataloader_multiprocessing_context}
+        return _EpochLoader(
+            self.train_dataset, batch_sampler=sampler, num_workers=workers,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, "training"),
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+            **(extra if workers > 0 else {}))
 
 
-def _rows(cache: str, columns: str, generation: int):
-    """Rows of one generation of a cache as plain Python values (ragged arrays -> lists).
-    ``columns`` is comma-joined: ``from_generator`` would split a list into shards."""
-    dataset = CachedDataset(cache, columns=columns.split(","), generation=generation)  # held while read
+def _features(schema: Mapping[str, ColumnSpec], columns: Sequence[str]) -> Any:
+    """``datasets.Features`` for ``columns`` of a cache, or None (inferred) where a column is
+    bytes (an encoded image column is read back as pixels)."""
+    from datasets import Array2D, Array3D, Array4D, Array5D, Features, List, Value
+
+    arrays = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
+    features = {}
+    for name in columns:
+        spec = schema[name]
+        if spec.kind == "str":
+            features[name] = Value("string")
+        elif spec.kind == "scalar":
+            features[name] = Value(spec.dtype)
+        elif spec.kind == "ragged":
+            features[name] = List(Value(spec.dtype))
+        elif spec.kind == "ndarray" and len(spec.shape) == 1:
+            features[name] = List(Value(spec.dtype), length=spec.shape[0])
+        elif spec.kind == "ndarray" and len(spec.shape) in arrays:
+            features[name] = arrays[len(spec.shape)](shape=spec.shape, dtype=spec.dtype)
+        else:
+            return None
+    return Features(features)
+
+
+def _rows(cache: str, columns: str, generation: int, identity: str,
+          chunk: int = 1024) -> Iterator[dict[str, Any]]:
+    """Rows of one generation of a cache as plain Python values, read ``chunk`` rows at a
+    time. ``columns`` is comma-joined (``from_generator`` would split a list into shards);
+    ``identity`` only makes ``datasets``' fingerprint of the call differ per cache content."""
+    dataset = CachedDataset(cache, columns=columns.split(","), generation=generation)  # held
     try:
-        for i in range(len(dataset)):
-            yield {k: (v.tolist() if isinstance(v, np.ndarray) else v)
-                   for k, v in dataset[i].items()}
+        for start in range(0, len(dataset), chunk):
+            part = dataset.read_batch(range(start, min(start + chunk, len(dataset))))
+            part = {k: (v.tolist() if isinstance(v, np.ndarray) else
+                        [x.tolist() if isinstance(x, np.ndarray) else x for x in v])
+                    for k, v in part.items()}
+            names = list(part)
+            for values in zip(*part.values()):
+                yield dict(zip(names, values))
     finally:
         dataset.close()
 
 
-def to_hf_dataset(cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
-                  cache_dir: str | None = None) -> Any:
-    """The cache as a ``datasets.Dataset`` (Arrow, memory-mapped from ``datasets``' own cache).
+def to_hf_dataset(cache: str | os.PathLike[str], columns: Sequence[str] | None = None, *,
+                  cache_dir: str | None = None, generation: int | None = None) -> Any:
+    """The cache as a ``datasets.Dataset``: Arrow in ``datasets``' cache folder, memory-mapped.
+    Ragged columns (token ids) are list columns of their integer type, strings strings, scalars
+    values, fixed-shape arrays ``ArrayND``.
 
     Built with ``Dataset.from_generator`` over ``CachedDataset`` rather than by pointing
-    ``datasets`` at the shard files: the rows of a cache are its manifest's current generation
-    (a re-run replaces shards, quarantined inputs have no rows) and an HDF5 cache has no
-    Parquet files. The generation is part of the generator's arguments, so ``datasets``
-    fingerprints each generation apart and never serves a stale copy after a re-run.
+    ``datasets`` at the shard files, which would be wrong: the rows of a cache are its
+    manifest's generation minus the rows an incremental run marked deleted (they stay in the
+    shard files until most of a shard is deleted), and an HDF5 cache has no Parquet files. It
+    costs one pass over the cache, written once: the generation and a hash of the manifest's
+    shard list (paths, checksums, deleted rows) are the generator's arguments, so ``datasets``
+    reuses its copy until the cache changes and never serves a stale one after a re-run.
+
+    Args:
+        cache: the cache directory (or URL).
+        columns: the columns to take (default all).
+        cache_dir: ``datasets``' cache folder (default ``~/.cache/huggingface/datasets``).
+        generation: the generation to read (default the current one).
+
+    Raises:
+        ManifestError, GenerationError: no finished cache, or ``generation`` is not kept.
+        KeyError: a requested column is not in the cache.
     """
     from datasets import Dataset
 
     cache = os.fspath(cache)
-    probe = CachedDataset(cache, columns=list(columns) if columns else None)
-    generation = probe.generation
-    names = list(probe.columns)
-    probe.close()
-    return Dataset.from_generator(_rows, cache_dir=cache_dir, gen_kwargs={
-        "cache": cache, "columns": ",".join(names), "generation": generation})
+    opened = Cache(cache, generation=generation)
+    try:
+        manifest = opened.manifest
+    finally:
+        opened.close()
+    names = list(columns) if columns else list(manifest.schema)
+    missing = [c for c in names if c not in manifest.schema]
+    if missing:
+        raise KeyError(f"{cache}: no column {missing} in this cache; it has "
+                       f"{sorted(manifest.schema)}")
+    shards = json.dumps([s.to_json() for s in manifest.shards], sort_keys=True)
+    identity = hashlib.sha256(f"{manifest.created}\n{shards}".encode()).hexdigest()
+    return Dataset.from_generator(_rows, features=_features(manifest.schema, names),
+                                  cache_dir=cache_dir, gen_kwargs={
+                                      "cache": cache, "columns": ",".join(names),
+                                      "generation": manifest.generation, "identity": identity})

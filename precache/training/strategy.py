@@ -5,7 +5,7 @@
 - ``zero``: DDP, with the optimizer state sharded over the ranks (ZeRO stage 1, torch's
   ``ZeroRedundancyOptimizer``): Adam's two moments take 1/world of the memory per rank. Saving
   gathers the state on rank 0 (``consolidate_state_dict``), so the file is the same as ddp's and
-  loads on any number of ranks, with either strategy.
+  loads on any number of ranks, under any strategy.
 - ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer
   state sharded; each block of the model (every item of its ``nn.ModuleList``s, e.g. BERT's
   layers) is gathered only while it computes. The checkpoint is a ``torch.distributed.checkpoint``
