@@ -1,11 +1,13 @@
 """One process of the Trainer tests (run directly, or by torchrun as one of several ranks):
-``PrecacheTrainer`` trains a model over a text cache and logs, per rank and epoch, the keys of
-every sample it trained on to ``<out>/keys-rank<R>.tsv``; rank 0 writes ``<out>/result.json``."""
+``PrecacheTrainer`` trains a model over a text cache and logs every batch it trained on, per
+rank, as ``epoch<TAB>key,key,...`` lines in ``<out>/batches-rank<R>.tsv``; then evaluates on the
+cache with ``remove_unused_columns`` on (the default); rank 0 writes ``<out>/result.json``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -17,25 +19,31 @@ from precache.loading import CachedDataset
 from precache.loading.hf import HFTokenCollate, PrecacheTrainer
 
 
-class KeysLogged(HFTokenCollate):
-    """The collator, also writing ``epoch<TAB>key`` of every sample it batches."""
+class BatchesLogged(HFTokenCollate):
+    """The collator, also writing the epoch and the keys of every batch it makes."""
 
     def __init__(self, label_ids: dict, path: Path) -> None:
         super().__init__(label_ids)
-        self.log, self.epoch = path.open("a"), 0
+        self.log, self.epoch = path.open("a"), -1  # -1: not training (evaluation)
 
     def __call__(self, samples: list[dict]) -> dict:
-        self.log.write("".join(f"{self.epoch}\t{s['key']}\n" for s in samples))
-        self.log.flush()
+        if self.epoch >= 0:
+            self.log.write(f"{self.epoch}\t{','.join(s['key'] for s in samples)}\n")
+            self.log.flush()
         return super().__call__(samples)
 
 
 class Epochs(TrainerCallback):
-    def __init__(self, collate: KeysLogged) -> None:
+    """Tells the collator the epoch (``state.epoch`` is fractional on a mid-epoch resume)."""
+
+    def __init__(self, collate: BatchesLogged) -> None:
         self.collate = collate
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.collate.epoch = int(round(state.epoch or 0))
+        self.collate.epoch = math.floor(state.epoch or 0)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.collate.epoch = -1
 
 
 def main() -> None:
@@ -45,6 +53,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a pretrained folder; default a tiny random BERT")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
+    p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,21 +70,24 @@ def main() -> None:
             vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=64, num_labels=len(labels)))
     before = [p.detach().clone() for p in model.parameters()]
-    collate = KeysLogged({name: i for i, name in enumerate(labels)}, out / f"keys-rank{rank}.tsv")
+    collate = BatchesLogged({name: i for i, name in enumerate(labels)},
+                            out / f"batches-rank{rank}.tsv")
     trainer = PrecacheTrainer(
         model=model, train_dataset=train, data_collator=collate, callbacks=[Epochs(collate)],
-        args=TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=4,
-                               num_train_epochs=args.epochs, max_steps=args.max_steps,
-                               learning_rate=5e-4, report_to=[], save_strategy="no",
-                               logging_steps=1, use_cpu=True, seed=0,
-                               dataloader_num_workers=0, disable_tqdm=True))
-    result = trainer.train()
+        args=TrainingArguments(
+            output_dir=str(out / "trainer"), per_device_train_batch_size=4,
+            per_device_eval_batch_size=16, num_train_epochs=args.epochs, max_steps=args.max_steps,
+            learning_rate=5e-4, report_to=[], logging_steps=1, use_cpu=True, seed=0,
+            save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+            dataloader_num_workers=0, disable_tqdm=True))
+    result = trainer.train(resume_from_checkpoint=args.resume)
     changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    evaluation = trainer.evaluate(eval_dataset=train)
     if rank == 0:
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         (out / "result.json").write_text(json.dumps({
             "steps": result.global_step, "losses": losses, "changed": changed,
-            "world_size": trainer.args.world_size}))
+            "world_size": trainer.args.world_size, "eval_loss": evaluation["eval_loss"]}))
 
 
 if __name__ == "__main__":

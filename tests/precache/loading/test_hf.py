@@ -1,6 +1,7 @@
 """Hugging Face interop (precache.loading.hf): transformers' Trainer trains from a text cache
 through PrecacheTrainer on 1 process and on 2 torchrun processes, every sample exactly once per
-epoch across ranks; the real MiniLM trains through it; a cache becomes a datasets.Dataset."""
+epoch across ranks, also after a mid-epoch resume; the real MiniLM trains through it; a cache
+becomes a datasets.Dataset; a saved datasets.Dataset is a stage-1 input like JSON Lines."""
 
 from __future__ import annotations
 
@@ -8,96 +9,124 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import precache
 
 pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets")
+from precache.build.sources import InputError  # noqa: E402
+from precache.cache import Cache  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
-from precache.loading.hf import HFTokenCollate, to_hf_dataset  # noqa: E402
+from precache.loading.hf import ExactOnceBucketSampler, HFTokenCollate, to_hf_dataset  # noqa: E402
+from precache.ops.text import resolve_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
+JOB = REPO / "tests" / "precache" / "loading" / "hf_trainer_job.py"
 WORDS = {"cats": "cat meow purr whiskers kitten fur paw tail".split(),
          "cars": "engine wheel road fuel brake gear tire motor".split()}
+DOCS = 60  # not a multiple of 2 ranks x 4: the last global batch is smaller, not padded
+QUIET = {"workers": 1, "progress": False, "log": lambda *a, **k: None}
+
+
+def documents(n: int = DOCS, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        label = ["cats", "cars"][i % 2]
+        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(3, 30))]
+        docs.append({"text": " ".join(words), "label": label})
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="module")
-def text_cache(tmp_path_factory) -> Path:
+def corpus(tmp_path_factory) -> Path:
+    """``docs.jsonl`` and its text cache ``cache/``."""
     root = tmp_path_factory.mktemp("hf")
-    rng = random.Random(0)
-    for n in range(64):  # 64 = 8 rounds of 2 ranks x 4: no sample repeated to even the ranks
-        label = ["cats", "cars"][n % 2]
-        (root / "in" / label).mkdir(parents=True, exist_ok=True)
-        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(3, 30))]
-        (root / "in" / label / f"{n}.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
-    precache.run("text", root / "in", root / "cache", workers=1, progress=False,
-                 log=lambda *a, **k: None)
-    return root / "cache"
+    precache.run("text", write_jsonl(root / "docs.jsonl", documents()), root / "cache", **QUIET)
+    return root
 
 
-def all_keys(cache: Path) -> list[str]:
-    data = CachedDataset(cache, columns=["key"])
-    return sorted(data.read_batch(range(len(data)))["key"])
+def rows(cache: Path, columns: list[str]) -> dict:
+    data = CachedDataset(cache, columns=columns)
+    try:
+        return data.read_batch(range(len(data)))
+    finally:
+        data.close()
 
 
-def keys_by_epoch(out: Path, ranks: int) -> dict[int, list[list[str]]]:
-    """epoch -> per rank, the keys it trained on."""
-    found: dict[int, list[list[str]]] = {}
-    for rank in range(ranks):
-        for line in (out / f"keys-rank{rank}.tsv").read_text().splitlines():
-            epoch, key = line.split("\t")
-            found.setdefault(int(epoch), [[] for _ in range(ranks)])[rank].append(key)
-    return found
+# ---- the sampler: pure, every split checked in one process -----------------------------------
+
+def plan(n: int, world: int, batch: int, epoch: int = 0, **kw) -> list[list[list[int]]]:
+    """Per rank, its batches of ``epoch``."""
+    out = []
+    for rank in range(world):
+        sampler = ExactOnceBucketSampler(np.arange(n) % 7 + 1, batch, rank=rank,
+                                         world_size=world, bucket_batches=2, **kw)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
 
 
-def run_job(out: Path, cache: Path, ranks: int, *args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = [str(REPO / "tests" / "precache" / "loading" / "hf_trainer_job.py"), "--cache",
-           str(cache), "--out", str(out), *args]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable])
-    done = subprocess.run([*launcher, *job], capture_output=True, text=True, timeout=400,
-                          env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+@pytest.mark.parametrize("n,world,batch", [(60, 2, 4), (57, 2, 4), (9, 2, 4), (61, 3, 4),
+                                           (64, 2, 4), (10, 4, 2), (7, 1, 3)])
+def test_the_sampler_gives_every_sample_once_in_equal_batch_counts(n, world, batch):
+    for epoch in (0, 1):
+        ranks = plan(n, world, batch, epoch)
+        assert len({len(batches) for batches in ranks}) == 1  # DDP: the same steps on every rank
+        assert all(1 <= len(b) <= batch for batches in ranks for b in batches)
+        assert sorted(i for batches in ranks for b in batches for i in b) == list(range(n))
+    assert plan(n, world, batch, 0) != plan(n, world, batch, 1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_trainer_sees_every_sample_once_per_epoch(text_cache, ranks, tmp_path):
-    result = run_job(tmp_path, text_cache, ranks)
-    assert result["world_size"] == ranks
-    assert result["steps"] == 2 * 64 // (4 * ranks)  # its batches, not accelerate's re-split
-    assert all(math.isfinite(loss) for loss in result["losses"])
-    epochs = keys_by_epoch(tmp_path, ranks)
-    assert sorted(epochs) == [0, 1]
-    for per_rank in epochs.values():
-        assert len({len(keys) for keys in per_rank}) == 1  # the ranks in lock-step
-        assert sorted(k for keys in per_rank for k in keys) == all_keys(text_cache)  # once each
-    assert epochs[0] != epochs[1]  # reshuffled per epoch (set_epoch reached the sampler)
+def test_the_sampler_drops_other_samples_every_epoch_with_drop_last():
+    dropped = []
+    for epoch in range(4):
+        ranks = plan(61, 2, 4, epoch, drop_last=True)
+        assert all(len(b) == 4 for batches in ranks for b in batches)
+        seen = [i for batches in ranks for b in batches for i in b]
+        assert len(seen) == len(set(seen)) == 56
+        dropped.append(frozenset(set(range(61)) - set(seen)))
+    assert len(set(dropped)) > 1
 
 
-@pytest.mark.slow
-def test_the_shipped_minilm_trains_through_the_trainer(text_cache, tmp_path):
-    from precache.pipelines.text.finetune import default_model
+def test_the_sampler_resumes_on_another_world_size_without_repeats():
+    first = [ExactOnceBucketSampler(np.arange(61) % 5 + 1, 4, rank=r, world_size=2)
+             for r in range(2)]
+    seen = [i for s in first for b in list(s)[:3] for i in b]
+    state = first[0].state_dict(3)
+    rest = []
+    for rank in range(3):
+        s = ExactOnceBucketSampler(np.arange(61) % 5 + 1, 4, rank=rank, world_size=3)
+        s.load_state_dict(state)
+        s.set_epoch(0)
+        rest.append(list(s))
+    assert len({len(b) for b in rest}) == 1
+    assert sorted(seen + [i for batches in rest for b in batches for i in b]) == list(range(61))
 
-    result = run_job(tmp_path, text_cache, 1, "--model", str(default_model()), "--max-steps", "3")
-    assert result["steps"] == 3 and result["changed"]
-    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
 
+def test_the_sampler_repeats_with_a_warning_where_no_exact_split_exists():
+    with pytest.warns(UserWarning, match="1 are repeated"):
+        ranks = plan(5, 2, 1)  # batch 1: 5 samples cannot give 2 ranks the same batch count
+    assert sorted(set(i for batches in ranks for b in batches for i in b)) == list(range(5))
+
+
+# ---- the collator ------------------------------------------------------------------------------
 
 def test_the_collator_gives_model_inputs_only_and_names_an_unknown_label():
-    samples = [{"ids": [101, 7, 102], "label": "b", "key": "x"},
-               {"ids": [101, 102], "label": "a", "key": "y"}]
-    import numpy as np
-
-    samples = [dict(s, ids=np.array(s["ids"], dtype=np.uint16)) for s in samples]
+    samples = [{"ids": np.array([101, 7, 102], np.uint16), "label": "b", "key": "x"},
+               {"ids": np.array([101, 102], np.uint16), "label": "a", "key": "y"}]
     batch = HFTokenCollate({"a": 0, "b": 1})(samples)
     assert sorted(batch) == ["attention_mask", "input_ids", "labels"]
     assert batch["input_ids"].shape == (2, 8) and batch["labels"].tolist() == [1, 0]
@@ -106,11 +135,141 @@ def test_the_collator_gives_model_inputs_only_and_names_an_unknown_label():
         HFTokenCollate({"a": 0})(samples)
 
 
-def test_a_cache_becomes_a_datasets_dataset_with_the_same_rows(text_cache, tmp_path):
-    hf = to_hf_dataset(text_cache, columns=["ids", "label", "key"], cache_dir=str(tmp_path))
-    data = CachedDataset(text_cache, columns=["ids", "label", "key"])
-    assert len(hf) == len(data) == 64
-    for i in (0, 17, 63):
-        assert hf[i]["key"] == data[i]["key"] and hf[i]["label"] == data[i]["label"]
-        assert hf[i]["ids"] == data[i]["ids"].tolist()
-    assert Counter(hf["label"]) == {"cats": 32, "cars": 32}
+# ---- Trainer, in real processes -----------------------------------------------------------------
+
+def run_job(out: Path, cache: Path, ranks: int, *args: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    job = [str(JOB), "--cache", str(cache), "--out", str(out), *args]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable])
+    done = subprocess.run([*launcher, *job], capture_output=True, text=True, timeout=400,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def batches_by_epoch(out: Path, ranks: int) -> dict[int, list[list[list[str]]]]:
+    """epoch -> per rank, its batches (lists of keys) in order."""
+    found: dict[int, list[list[list[str]]]] = {}
+    for rank in range(ranks):
+        for line in (out / f"batches-rank{rank}.tsv").read_text().splitlines():
+            epoch, keys = line.split("\t")
+            found.setdefault(int(epoch), [[] for _ in range(ranks)])[rank].append(keys.split(","))
+    return found
+
+
+def assert_once_per_epoch(epochs: dict, keys: list[str]) -> None:
+    for per_rank in epochs.values():
+        assert len({len(batches) for batches in per_rank}) == 1  # the ranks in lock-step
+        assert sorted(k for batches in per_rank for b in batches for k in b) == keys
+
+
+@pytest.mark.slow
+def test_trainer_on_one_process_sees_every_sample_once_per_epoch(corpus, tmp_path):
+    result = run_job(tmp_path, corpus / "cache", 1)
+    assert result["world_size"] == 1 and result["steps"] == 2 * DOCS // 4
+    assert all(math.isfinite(x) for x in result["losses"]) and math.isfinite(result["eval_loss"])
+    epochs = batches_by_epoch(tmp_path, 1)
+    assert sorted(epochs) == [0, 1]
+    assert_once_per_epoch(epochs, sorted(rows(corpus / "cache", ["key"])["key"]))
+    assert epochs[0] != epochs[1]  # reshuffled per epoch (set_epoch reached the sampler)
+
+
+@pytest.mark.slow
+def test_trainer_on_two_ranks_sees_every_sample_once_also_after_a_resume(corpus, tmp_path):
+    keys = sorted(rows(corpus / "cache", ["key"])["key"])
+    steps = -(-DOCS // 8)  # 7 full global batches of 2 x 4, and one of 2 + 2
+    result = run_job(tmp_path / "a", corpus / "cache", 2, "--save-steps", str(steps + 3))
+    assert result["world_size"] == 2 and result["steps"] == 2 * steps  # not re-split by accelerate
+    assert all(math.isfinite(x) for x in result["losses"]) and math.isfinite(result["eval_loss"])
+    epochs = batches_by_epoch(tmp_path / "a", 2)
+    assert sorted(epochs) == [0, 1] and epochs[0] != epochs[1]
+    assert_once_per_epoch(epochs, keys)
+    assert [len(b) for b in epochs[0][0]].count(2) == 1  # the smaller last batch, no repeats
+
+    checkpoint = tmp_path / "a" / "trainer" / f"checkpoint-{steps + 3}"
+    resumed = run_job(tmp_path / "b", corpus / "cache", 2, "--resume", str(checkpoint))
+    assert resumed["steps"] == 2 * steps
+    after = batches_by_epoch(tmp_path / "b", 2)
+    assert sorted(after) == [1]  # the rest of epoch 1: the batches the first run trained on
+    assert after[1] == [batches[3:] for batches in epochs[1]]
+
+
+@pytest.mark.slow
+def test_the_shipped_minilm_trains_through_the_trainer(corpus, tmp_path):
+    minilm = resolve_tokenizer("minilm").parent  # config.json and model.safetensors beside it
+    result = run_job(tmp_path, corpus / "cache", 1, "--model", str(minilm), "--max-steps", "3")
+    assert result["steps"] == 3 and result["changed"]
+    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+# ---- a cache as a datasets.Dataset --------------------------------------------------------------
+
+def assert_same_rows(hf, cache: Path) -> None:
+    data = rows(cache, ["ids", "label", "key", "length"])
+    assert len(hf) == len(data["key"])
+    assert hf["key"] == list(data["key"]) and hf["label"] == list(data["label"])
+    assert hf["ids"] == [ids.tolist() for ids in data["ids"]]
+    assert hf["length"] == data["length"].tolist()
+
+
+@pytest.mark.parametrize("format", ["parquet", "hdf5"])
+def test_a_cache_becomes_a_datasets_dataset_with_the_same_rows(corpus, tmp_path, format):
+    cache = corpus / "cache"
+    if format == "hdf5":
+        cache = tmp_path / "cache"
+        precache.run("text", corpus / "docs.jsonl", cache, format="hdf5", **QUIET)
+    hf = to_hf_dataset(cache, columns=["ids", "label", "key", "length"],
+                       cache_dir=str(tmp_path / "hf"))
+    assert str(hf.features["ids"].feature.dtype) == "uint16"  # the cached type, a list column
+    assert_same_rows(hf, cache)
+    assert sorted(set(hf["label"])) == ["cars", "cats"]
+
+
+def test_a_changed_cache_gives_a_new_datasets_dataset_without_its_deleted_rows(tmp_path):
+    docs = documents(20)
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    precache.run("text", source, tmp_path / "cache", **QUIET)
+    first = to_hf_dataset(tmp_path / "cache", cache_dir=str(tmp_path / "hf"))
+    docs[3] = {"text": "engine engine engine", "label": "cars"}
+    write_jsonl(source, docs)  # one record changed: its old row is marked deleted in its shard
+    summary = precache.run("text", source, tmp_path / "cache", **QUIET)
+    assert summary.computed == 1
+    assert any(shard.deleted for shard in Cache(tmp_path / "cache").manifest.shards)
+    second = to_hf_dataset(tmp_path / "cache", cache_dir=str(tmp_path / "hf"))
+    assert len(second) == len(first) == 20 and second["ids"] != first["ids"]
+    assert_same_rows(second, tmp_path / "cache")
+
+
+# ---- a datasets.Dataset as a stage-1 input ------------------------------------------------------
+
+def test_a_saved_datasets_dataset_tokenizes_like_the_same_json_lines(corpus, tmp_path):
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["cars", "cats"])})
+    docs = documents()
+    saved = datasets.Dataset.from_list(docs, features=features)
+    saved.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    summary = precache.run("text", tmp_path / "saved", tmp_path / "cache", **QUIET)
+    assert summary.computed == DOCS and summary.failed == 0
+    got = rows(tmp_path / "cache", ["ids", "label", "key"])
+    want = rows(corpus / "cache", ["ids", "label"])
+    assert got["key"][0] == "data-00000-of-00002.arrow:0"
+    assert [ids.tolist() for ids in got["ids"]] == [ids.tolist() for ids in want["ids"]]
+    assert list(got["label"]) == list(want["label"])  # class names, not indices
+
+    # the same files behind a loaded Dataset: the same inputs, so nothing is recomputed
+    summary = precache.run("text", datasets.load_from_disk(str(tmp_path / "saved")),
+                           tmp_path / "cache", **QUIET)
+    assert summary.computed == 0 and summary.reused == DOCS
+
+
+def test_a_datasets_dataset_without_its_rows_in_files_is_refused(tmp_path):
+    in_memory = datasets.Dataset.from_list(documents(4))
+    with pytest.raises(InputError, match="in memory.*save_to_disk"):
+        precache.run("text", in_memory, tmp_path / "cache", **QUIET)
+    in_memory.save_to_disk(str(tmp_path / "saved"))
+    shuffled = datasets.load_from_disk(str(tmp_path / "saved")).shuffle(seed=0)
+    with pytest.raises(InputError, match="indices mapping.*flatten_indices"):
+        precache.run("text", shuffled, tmp_path / "cache", **QUIET)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    shutil.rmtree(tmp_path / "saved")
