@@ -40,7 +40,7 @@ from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_k
 from precache.training.step import auto_precision
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
-from precache.training.strategy import STRATEGIES, make_strategy
+from precache.training.strategy import STRATEGIES, StrategyMismatch, make_strategy
 from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
@@ -186,7 +186,7 @@ def fit(args: argparse.Namespace, build: Callable[[list[str], np.ndarray], TextM
     if args.resume:
         try:
             state = strategy.load(Path(args.resume), model, optimizer, map_location=device)
-        except CheckpointRefused as e:
+        except (CheckpointRefused, StrategyMismatch) as e:  # one line, naming the file
             raise SystemExit(str(e)) from None
         if state["classes"] != classes:
             raise SystemExit(f"{args.resume} was trained on labels {state['classes']}, not {classes}")
