@@ -31,9 +31,10 @@ from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_load
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
 from precache.training.checkpoint import CheckpointRefused
+from precache.training.step import cpu_has_native_bf16
 from precache.training.distributed import cleanup, init_distributed
 from precache.training.strategy import STRATEGIES, StrategyMismatch, make_strategy
-from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
+from precache.training.timeline import StepTimeline, run_record
 
 COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # regions: for FaceAugment
 

@@ -37,11 +37,11 @@ from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
-from precache.training.step import auto_precision
+from precache.training.step import auto_precision, cpu_has_native_bf16
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
 from precache.training.strategy import STRATEGIES, StrategyMismatch, make_strategy
-from precache.training.timeline import StepTimeline, cpu_has_native_bf16, run_record
+from precache.training.timeline import StepTimeline, run_record
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 

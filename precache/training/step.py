@@ -12,7 +12,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-__all__ = ["OneCycleSchedule", "auto_precision", "log_lr", "mixed_precision", "one_cycle", "open_keys_log",
+__all__ = ["OneCycleSchedule", "auto_precision", "cpu_has_native_bf16", "log_lr", "mixed_precision", "one_cycle", "open_keys_log",
            "open_lr_log", "optimizer_step"]
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -38,9 +38,18 @@ def auto_precision(device: torch.device) -> str:
     slower than fp32 for MiniLM fine-tuning on an AVX2 CPU)."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    from precache.training.timeline import cpu_has_native_bf16
-
     return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch
+    emulates it, and bf16 autocast is slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def one_cycle(progress: float, start: float, peak: float, end: float,

@@ -104,7 +104,7 @@ class Strategy:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The bare module (DDP's ``module``; an FSDP2 module is its own)."""
-        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return _unwrapped(model)
 
     def grad_scaler(self, enabled: bool) -> torch.amp.GradScaler:
         """The loss scaler of fp16 (``enabled``): torch's ``GradScaler`` under every strategy.
@@ -241,6 +241,7 @@ def _by_name(optimizer_state: dict[str, Any], model: nn.Module) -> dict[str, Any
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
+    """DDP's ``module``, else ``model`` itself."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 

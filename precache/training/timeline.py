@@ -34,22 +34,11 @@ from typing import IO, Any, ContextManager, Iterator
 
 import torch
 
-__all__ = ["PHASES", "StepTimeline", "cpu_has_native_bf16", "run_record"]
+__all__ = ["PHASES", "StepTimeline", "run_record"]
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer")
 TIMED = PHASES[1:]  # the phases timed on sampled batches
 _NOTHING = nullcontext()
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch
-    emulates it, and bf16 autocast is slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def run_record(**config: Any) -> dict[str, Any]:
