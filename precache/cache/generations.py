@@ -7,13 +7,18 @@ superseded generation are not deleted at once. They are kept
 
 - while a reader holds the generation: a reader lease, ``readers/gen-GGGGG-<host>-<pid>-<hex>
   .json``, written through the cache's ``Store`` (a local folder or a bucket alike) and renewed
-  by a thread; it is stale once its ``expires`` time has passed, or its process is gone (same
-  host);
+  by a thread; it records its process (host, pid, boot id, PID namespace and start time:
+  ``precache.storage.lease.process_identity``) and is stale once its ``expires`` time has
+  passed, or once its process is known to be gone: only where its pid means the same process as
+  here (same host, boot and PID namespace; not a container with this host's name) can it be
+  known (``process_gone``);
 - and for ``DEFAULT_RETENTION_S`` after the generation was superseded (the ``created`` time of
   the next generation's manifest), so a reader that is just opening the cache finds it.
 
 ``collect`` (run by every publish, and by ``precache gc``) deletes the generations no longer
 kept, then every shard and table no kept generation names, only by the names precache writes.
+``precache gc`` also keeps the shards that an interrupted run committed and named in its journal
+(``journaled_shards``), so that re-running it does not compute them again.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Collection
 
 from precache.cache.manifest import Manifest, ManifestError
 from precache.storage import Store
-from precache.storage.lease import pid_alive
+from precache.storage.lease import process_gone, process_identity, unverifiable
 from precache.storage.locations import explained
 
 __all__ = ["GenerationError", "ReaderLease", "GENERATIONS", "READERS", "DEFAULT_RETENTION_S",
            "LEASE_TTL_S", "generation_path", "kept_generations", "live_leases", "collect",
-           "Collected", "load_generation"]
+           "Collected", "load_generation", "journaled_shards"]
 
 GENERATIONS = "generations"
 READERS = "readers"
@@ -114,7 +120,7 @@ class ReaderLease:
         atexit.register(self.release)
 
     def _write(self) -> None:
-        lease = {"generation": self.generation, "host": socket.gethostname(), "pid": self.pid,
+        lease = {"generation": self.generation, **process_identity(),
                  "expires": time.time() + self.ttl_s}
         self.store.write_bytes(self.name, json.dumps(lease).encode())
 
@@ -151,10 +157,12 @@ def _modified(store: Store, rel: str) -> float | None:
 def live_leases(store: Store, *, ttl_s: float = LEASE_TTL_S) -> dict[int, list[dict[str, Any]]]:
     """Generation -> the live reader leases on it (stale ones are left out).
 
-    A lease is stale once its ``expires`` time has passed, or, on this host, once its process
-    is gone. A lease file that cannot be read (torn, foreign) counts as live until it is older
-    than ``ttl_s`` by its modification time (for ever if the store keeps none): keeping files
-    is the safe side.
+    A lease is stale once its ``expires`` time has passed, or once its process is known to be
+    gone (``process_gone``: same host, boot and PID namespace as this process, and the pid is
+    free or was reused; a lease that records no boot id and namespace, from an older precache,
+    holds until it expires). A lease file that cannot be read (torn, foreign) counts as live
+    until it is older than ``ttl_s`` by its modification time (for ever if the store keeps
+    none): keeping files is the safe side.
     """
     return _scan_leases(store, ttl_s)[0]
 
@@ -163,7 +171,6 @@ def _scan_leases(store: Store, ttl_s: float) -> tuple[dict[int, list[dict[str, A
     """The live leases by generation (see ``live_leases``), and the names of the stale ones."""
     live: dict[int, list[dict[str, Any]]] = {}
     stale: list[str] = []
-    host = socket.gethostname()
     now = time.time()
     for name in store.list(READERS):
         match = _LEASE_NAME.fullmatch(name)
@@ -171,19 +178,42 @@ def _scan_leases(store: Store, ttl_s: float) -> tuple[dict[int, list[dict[str, A
             continue
         try:
             lease = json.loads(store.read_bytes(f"{READERS}/{name}"))
-            expires, pid = float(lease["expires"]), int(lease["pid"])
+            expires = float(lease["expires"])
+            int(lease["pid"])  # a lease without a pid of its process is not one precache wrote
         except FileNotFoundError:
             continue  # released meanwhile
         except (OSError, ValueError, KeyError, TypeError):
             modified = _modified(store, f"{READERS}/{name}")
             expires = float("inf") if modified is None else modified + ttl_s
-            lease, pid = {"host": "?", "pid": "?", "expires": expires, "torn": True}, -1
-        if expires < now or (lease.get("host") == host and not pid_alive(pid)):
+            lease = {"host": "?", "pid": "?", "expires": expires, "torn": True}
+        if expires < now or process_gone(lease):
             stale.append(name)
             continue
         lease["name"] = name
         live.setdefault(int(match.group(1)), []).append(lease)
     return live, stale
+
+
+def journaled_shards(journal: str | os.PathLike[str]) -> dict[str, str]:
+    """The shards named by the entries of an interrupted run's journal, the folder ``journal``
+    (a local cache's ``CACHE/journal``; a remote cache's is in its local working folder:
+    ``CacheLayout.for_output(url).journal``): shard path (``shards/part-NNNNN-....parquet``) ->
+    the entry's file name. Such a shard is in no manifest until the run is re-run, which adopts
+    the entries whose fingerprint matches; ``precache gc`` keeps them until then. An entry that
+    cannot be read names nothing (a re-run drops it too)."""
+    found: dict[str, str] = {}
+    folder = Path(journal)
+    if not folder.is_dir():
+        return found
+    for entry_path in sorted(folder.glob("part-*.json")):
+        try:
+            shard = json.loads(entry_path.read_text()).get("shard")
+            path = shard.get("path") if shard else None
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(path, str) and path.startswith("shards/"):
+            found[path] = entry_path.name
+    return found
 
 
 @dataclass
@@ -194,6 +224,7 @@ class Collected:
     kept: dict[int, str] = field(default_factory=dict)  # generation -> why
     deleted_files: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+    kept_files: list[str] = field(default_factory=list)  # in keep_files, else deleted
 
 
 def _held_by(leases: list[dict[str, Any]]) -> str:
@@ -204,8 +235,11 @@ def _held_by(leases: list[dict[str, Any]]) -> str:
     expires = float(lease.get("expires", time.time()))
     until = "?" if expires == float("inf") else datetime.fromtimestamp(expires).strftime("%H:%M")
     more = f" (and {len(leases) - 1} more)" if len(leases) > 1 else ""
-    return (f"held by a reader on host {lease.get('host', '?')} pid {lease.get('pid', '?')} "
-            f"until {until}{more}")
+    why = unverifiable(lease)
+    unknown = (f" ({why}: kept until the lease expires)"
+               if why is not None and lease.get("host") == socket.gethostname() else "")
+    return (f"held by a reader on host {lease.get('host', '?')} pid {lease.get('pid', '?')}"
+            f"{unknown} until {until}{more}")
 
 
 def _created(manifest: Manifest | None) -> float | None:
@@ -219,7 +253,8 @@ def _created(manifest: Manifest | None) -> float | None:
 
 def collect(store: Store, current: Manifest, *, retention_s: float = DEFAULT_RETENTION_S,
             keep: int | None = None, dry_run: bool = False,
-            is_own: Callable[[str, str], bool], log: Callable[[str], Any] = print) -> Collected:
+            is_own: Callable[[str, str], bool], log: Callable[[str], Any] = print,
+            keep_files: Collection[str] = ()) -> Collected:
     """Remove the superseded generations no reader holds, then the files no kept one names.
 
     A superseded generation is removed when no live reader lease holds it, it was superseded
@@ -238,6 +273,9 @@ def collect(store: Store, current: Manifest, *, retention_s: float = DEFAULT_RET
         is_own: ``(folder, name) -> bool``, whether precache writes such names there (only
             those are deleted).
         log: where a note goes when a kept generation's manifest cannot be read.
+        keep_files: shards (``shards/<name>``) kept although no kept generation names
+            them: those an interrupted run journaled (``journaled_shards``), for its resume.
+            The ones that would have been deleted are listed in ``Collected.kept_files``.
     """
     leases, stale = _scan_leases(store, LEASE_TTL_S)
     result = Collected()
@@ -293,8 +331,10 @@ def collect(store: Store, current: Manifest, *, retention_s: float = DEFAULT_RET
         shards = {s.path for m in kept_manifests for s in m.shards}
         tables = ({m.index["path"] for m in kept_manifests}
                   | {m.errors["path"] for m in kept_manifests})
-        doomed += [f"shards/{n}" for n in store.list("shards")
+        unnamed = [f"shards/{n}" for n in store.list("shards")
                    if f"shards/{n}" not in shards and is_own("shards", n)]
+        result.kept_files = [rel for rel in unnamed if rel in keep_files]
+        doomed += [rel for rel in unnamed if rel not in keep_files]
         doomed += [n for n in store.list() if n not in tables and is_own("", n)
                    and n.endswith(".parquet")]
     doomed += [f"{READERS}/{name}" for name in stale]  # only leases seen to be stale

@@ -1,10 +1,20 @@
-"""One writer per remote cache: a lease object, ``<url>/.writer.json``.
+"""One writer per remote cache: a lease object, ``<url>/.writer.json``; and how a lease (this one
+or a reader's, ``precache.cache.generations``) tells whether the process it names still lives.
 
 A local cache is guarded by ``flock``, which the kernel releases when its holder dies. Object
 stores have no locks, so a run writing ``s3://...`` also holds a lease: a small object naming
-its host, pid and a random token, rewritten every ``HEARTBEAT_S`` seconds. Another run refuses
-to start while the lease is fresh, and takes it over when it is stale: older than ``TTL_S``, or
-held by a process on this host that no longer exists (a run killed with kill -9, resumed here).
+its process (``process_identity``) and a random token, rewritten every ``HEARTBEAT_S`` seconds.
+Another run refuses to start while the lease is fresh, and takes it over when it is stale:
+older than ``TTL_S``, or held by a process that is known to be gone (``process_gone``: a run
+killed with kill -9, resumed here).
+
+A process is known to be gone only where its pid means the same process as here: the same host
+name, the same boot (``/proc/sys/kernel/random/boot_id``) and the same PID namespace
+(``/proc/self/ns/pid``). A container with host networking has this host's name but its own
+PID namespace, and another machine may have the same host name; there, and for a lease that
+records no boot id and namespace (written by an older precache), only the lease's expiry tells.
+The process's start time (``/proc/<pid>/stat``) is recorded too, so a pid the kernel has given
+to another process since does not keep a dead holder's lease.
 
 Two runs starting within the same second could both write the lease; each re-reads it after
 ``SETTLE_S``, and only the one whose token is there goes on. A run checks the lease again just
@@ -13,6 +23,7 @@ before it publishes the manifest, so a run that lost it never publishes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -23,13 +34,15 @@ from typing import Any
 
 from precache.storage.store import Store
 
-__all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S", "pid_alive"]
+__all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S", "pid_alive",
+           "process_identity", "process_gone", "unverifiable"]
 
 LEASE_FILE = ".writer.json"
 TTL_S = 120.0
 """A lease not renewed for this long belongs to a run that died."""
 HEARTBEAT_S = 30.0
 SETTLE_S = 1.0
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 class LeaseLost(RuntimeError):
@@ -37,7 +50,8 @@ class LeaseLost(RuntimeError):
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
+    """Whether a process ``pid`` exists in this PID namespace (one owned by another user
+    counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -45,6 +59,85 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_and_namespace() -> tuple[str | None, str | None]:
+    """This machine's boot id and this process's PID namespace (``pid:[4026531836]``); ``None``
+    for what cannot be read. The namespace only counts if ``/proc`` is this namespace's own
+    (``/proc/self`` is this pid): otherwise the pids found there are another namespace's.
+    Neither changes during a process's life (nor in a forked child)."""
+    try:
+        with open(BOOT_ID) as f:
+            boot_id: str | None = f.read().strip() or None
+    except OSError:
+        boot_id = None
+    try:
+        own_proc = os.readlink("/proc/self") == str(os.getpid())
+        namespace: str | None = os.readlink("/proc/self/ns/pid") if own_proc else None
+    except OSError:
+        namespace = None
+    return boot_id, namespace
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: field 22 of ``/proc/<pid>/stat``),
+    or ``None`` if it cannot be read (gone, or hidden by ``hidepid``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # the command name (field 2) is in parentheses and may hold spaces and ')'
+        return int(stat.rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_identity() -> dict[str, Any]:
+    """This process, as a lease records it: ``host``, ``pid``, ``boot_id``, ``pid_ns`` and
+    ``start_time`` (the last three ``None`` where ``/proc`` cannot tell them)."""
+    boot_id, namespace = _boot_and_namespace()
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "boot_id": boot_id, "pid_ns": namespace,
+            "start_time": start_time(pid) if namespace is not None else None}
+
+
+def unverifiable(record: dict[str, Any]) -> str | None:
+    """Why the process a lease ``record`` names cannot be checked from this process (``None``:
+    it can, its pid means the same process here)."""
+    here = process_identity()
+    if record.get("host") != here["host"]:
+        return "another host"
+    if not record.get("boot_id") or not record.get("pid_ns"):
+        return "a lease without boot id and PID namespace, from an older precache"
+    if here["boot_id"] is None or here["pid_ns"] is None:
+        return "this process cannot read its boot id or PID namespace"
+    if record["boot_id"] != here["boot_id"]:
+        return "another machine of the same name, or an earlier boot"
+    if record["pid_ns"] != here["pid_ns"]:
+        return "another PID namespace (a container)"
+    return None
+
+
+def process_gone(record: dict[str, Any]) -> bool:
+    """Whether the process a lease ``record`` names is known to be gone: it ran on this host,
+    boot and PID namespace, and its pid is free, or names a process started at another time
+    (the pid was reused). Where that cannot be known (``unverifiable``), ``False``: only the
+    lease's expiry can tell then."""
+    if unverifiable(record) is not None:
+        return False
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid <= 0:
+        return False  # not a process (os.kill would signal a group)
+    if not pid_alive(pid):
+        return True
+    recorded = record.get("start_time")
+    if recorded is None:
+        return False
+    started = start_time(pid)
+    return started is not None and started != recorded
 
 
 class WriterLease:
@@ -69,21 +162,22 @@ class WriterLease:
             return {"token": "", "time": 0.0}
 
     def _write(self) -> None:
-        lease = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                 "time": time.time()}
+        lease = {"token": self.token, **process_identity(), "time": time.time()}
         self.store.write_bytes(LEASE_FILE, json.dumps(lease).encode())
 
     def _describe(self, held: dict[str, Any]) -> str:
         age = time.time() - float(held.get("time", 0))
+        why = unverifiable(held)
+        where = f" ({why})" if why is not None and held.get("host") == socket.gethostname() else ""
         return (f"'{self.store.uri()}' is being written by another precache run (host "
-                f"{held.get('host', '?')}, pid {held.get('pid', '?')}, lease renewed {age:.0f} s "
-                f"ago); wait for it to finish, or if that run is dead, wait {self.ttl_s:.0f} s "
-                f"or delete '{self.store.uri(LEASE_FILE)}'")
+                f"{held.get('host', '?')}, pid {held.get('pid', '?')}{where}, lease renewed "
+                f"{age:.0f} s ago); wait for it to finish, or if that run is dead, wait "
+                f"{self.ttl_s:.0f} s or delete '{self.store.uri(LEASE_FILE)}'")
 
     def _stale(self, held: dict[str, Any]) -> bool:
         if time.time() - float(held.get("time", 0)) > self.ttl_s:
             return True
-        return held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0)))
+        return process_gone(held)  # known to be gone; where that cannot be known, only the age
 
     def acquire(self) -> None:
         """Take the lease, or raise ``LeaseLost`` naming the run that holds it."""

@@ -14,7 +14,7 @@ import pytest
 
 import precache
 from precache.storage import Store, lease as lease_module
-from precache.storage.lease import LEASE_FILE, LeaseLost, WriterLease
+from precache.storage.lease import LEASE_FILE, LeaseLost, WriterLease, process_identity
 from tests.conftest import COUNTING_PIPELINE, precache_cli, wait_until, write_photos
 from tests.precache.storage.conftest import build
 
@@ -53,8 +53,12 @@ def test_a_stale_lease_or_a_dead_holder_on_this_host_is_taken_over(s3, bucket, t
     assert not Store(url).exists(LEASE_FILE)  # released at the end
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    plant(url, host=socket.gethostname(), pid=dead.pid)  # e.g. a run killed with kill -9 here
+    # e.g. a run killed with kill -9 here: same host, boot and PID namespace, its pid free
+    plant(url, **dict(process_identity(), pid=dead.pid, start_time=None))
     assert build(tmp_path / "photos", url).computed == 0
+    plant(url, host=socket.gethostname(), pid=dead.pid)  # an older precache's: no boot id, no
+    with pytest.raises(precache.CacheBusyError, match="without boot id"):  # namespace: its age
+        build(tmp_path / "photos", url)
 
 
 def test_a_lease_is_renewed_and_a_lost_one_is_noticed(s3, bucket):
