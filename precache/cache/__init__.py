@@ -16,9 +16,9 @@ from precache.cache.generations import GenerationError
 from precache.cache.layout import MARKER, OWN_NAMES, CacheLayout
 from precache.cache.lock import CacheBusyError, CacheLock
 from precache.cache.manifest import Manifest, ManifestError
-from precache.cache.reader import Cache, load_manifest
+from precache.cache.reader import Cache, ShardMismatchError, load_manifest
 from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
 
 __all__ = ["Cache", "CacheBusyError", "GenerationError", "CacheLayout", "CacheLock", "Manifest",
-           "ManifestError",
+           "ManifestError", "ShardMismatchError",
            "load_manifest", "read_table", "INDEX_SCHEMA", "ERRORS_SCHEMA", "MARKER", "OWN_NAMES"]

@@ -10,7 +10,8 @@ Layout::
 
     CACHE/manifest.json           written last, atomically; without it there is no cache
     CACHE/.precache               marker written before the first shard: precache owns this folder
-    CACHE/shards/part-NNNNN.*     immutable shards, named by sequence number
+    CACHE/shards/part-NNNNN-HHHHHHHHHHHHHHHH.*
+                                  immutable shards, named by sequence number and content hash
     CACHE/index-GGGGG.parquet     one row per input: stat, source_hash, status, shard (generation G)
     CACHE/errors-GGGGG.parquet    inputs that failed: key, locator, stage, error type, message
     CACHE/journal/                shards committed by a run that has not published its manifest
@@ -19,8 +20,17 @@ Layout::
     CACHE/generations/manifest-GGGGG.json   the manifest of every kept generation
     CACHE/readers/gen-GGGGG-*.json          reader leases: a reader holds generation G
 
-The index and errors tables are named by the manifest's generation, so publishing a new one never
-changes a file the current manifest names.
+**A file name is never reused for other content.** A shard's name carries the first 16 hex digits
+of its SHA-256 (the manifest's checksum), so a name that a held generation lists can only ever
+hold those bytes, whatever later runs, ``--overwrite`` or interrupted runs write. The index and
+errors tables are named by the generation, and generation numbers only grow over a cache's life
+(``--overwrite`` goes on from the highest one it finds, see ``WriteTransaction``), so publishing
+never changes a file a kept generation names.
+
+**Owned folders are never followed.** ``shards/``, ``journal/``, ``.staging/``, ``generations/``
+and ``readers/`` are precache's: a run or ``gc`` that finds one of them to be a symbolic link (or
+not a folder) stops with one line (``check_owned_folders``) instead of writing or deleting files
+where it points.
 
 precache deletes only files it can show it wrote: in a folder that holds its manifest or marker,
 files whose names it generates (``OWN_NAMES``). A folder is never removed with its contents, and
@@ -33,17 +43,19 @@ import contextlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from precache.cache.formats import ShardFormat, ShardInfo
 from precache.cache.manifest import TABLE_NAMES
 from precache.cache.schema import ColumnSpec
+from precache.errors import RunError
 from precache.storage import Store, is_remote, local_path, private_dir, work_dir_for
 from precache.storage.durable import atomic_write_bytes, fsync_dir, fsync_file
 from precache.storage.hashing import file_checksum
 
-__all__ = ["CacheLayout", "MARKER", "OWN_NAMES"]
+__all__ = ["CacheLayout", "MARKER", "OWN_NAMES", "OWNED_FOLDERS"]
 
 MARKER = ".precache"
 """The file that makes a folder precache's before it has a manifest (written before any shard)."""
@@ -51,15 +63,18 @@ MARKER = ".precache"
 OWN_NAMES = {
     "": re.compile("|".join([r"manifest\.json|\.manifest\.json\.tmp-\d+|\.lock|\.writer\.json"
                              r"|\.precache", *(p.pattern for p, _ in TABLE_NAMES.values())])),
-    "shards": re.compile(r"part-\d{5,}\.(parquet|h5)"),
+    "shards": re.compile(r"part-\d{5,}(-[0-9a-f]{16})?\.(parquet|h5)"),
     "journal": re.compile(r"\.?(part-\d{5,}\.json|base-generation)(\.tmp-\d+)?"),
-    ".staging": re.compile(r"(fetched-)?part-\d{5,}\.(parquet|h5)(\.tmp-\d+)?"
+    ".staging": re.compile(r"(fetched-)?part-\d{5,}(-[0-9a-f]{16})?\.(parquet|h5)(\.tmp-\d+)?"
                            r"|(index|errors)-\d{5,}\.parquet\.tmp"),
     "generations": re.compile(r"\.?manifest-\d{5,}\.json(\.tmp-\d+)?"),
     "readers": re.compile(r"\.?gen-\d{5,}-[A-Za-z0-9_.]+-\d+-[0-9a-f]{12}\.json(\.tmp-\d+)?"),
 }
 """Per folder of a cache, the names of the files that precache writes there: the only files it
 ever deletes."""
+
+OWNED_FOLDERS = ("shards", "journal", ".staging", "generations", "readers")
+"""The folders of a cache that precache writes and deletes in: never followed as links."""
 
 
 class CacheLayout:
@@ -112,25 +127,31 @@ class CacheLayout:
         return any(pattern.fullmatch(name) for pattern, _ in TABLE_NAMES.values())
 
     @staticmethod
-    def shard_name(seq: int, suffix: str) -> str:
-        return f"part-{seq:05d}{suffix}"
+    def shard_name(seq: int, suffix: str, checksum: str) -> str:
+        """``part-NNNNN-HHHHHHHHHHHHHHHH<suffix>``: the sequence number and the first 16 hex
+        digits of the shard's SHA-256 (``checksum``, ``sha256:<hex>``), so no name is ever
+        reused for other bytes (see the module docstring)."""
+        return f"part-{seq:05d}-{checksum.split(':', 1)[1][:16]}{suffix}"
 
     @staticmethod
     def shard_seq(name: str) -> int:
-        """Sequence number from a shard file name (``part-00012.parquet`` -> 12)."""
+        """Sequence number from a shard file name (``part-00012-<hash>.parquet`` -> 12; also
+        the ``part-00012.parquet`` of older caches)."""
         return int(Path(name).name.split(".")[0].split("-")[1])
 
     def commit_shard(self, seq: int, shard_format: ShardFormat, columns: dict[str, Any],
                      schema: dict[str, ColumnSpec]) -> ShardInfo:
-        """Write shard ``seq`` under ``.staging/``, then rename it into ``shards/``, so a shard
-        file is either absent or complete."""
-        name = self.shard_name(seq, shard_format.suffix)
+        """Write shard ``seq`` under ``.staging/``, then rename it into ``shards/`` under a
+        name that carries its content hash, so a shard file is either absent or complete, and
+        never replaces other bytes of the same name."""
         self.staging.mkdir(parents=True, exist_ok=True)  # a Ray actor on another machine
-        tmp = self.staging / f"{name}.tmp-{os.getpid()}"
+        tmp = self.staging / f"part-{seq:05d}{shard_format.suffix}.tmp-{os.getpid()}"
         shard_format.write(tmp, columns, schema)
         rows = len(next(iter(columns.values()))) if columns else 0
+        checksum = file_checksum(tmp)
+        name = self.shard_name(seq, shard_format.suffix, checksum)
         info = ShardInfo(path=f"shards/{name}", rows=rows, bytes=tmp.stat().st_size,
-                         checksum=file_checksum(tmp))
+                         checksum=checksum)
         self.publish_file(tmp, info.path)
         return info
 
@@ -159,13 +180,26 @@ class CacheLayout:
         does a run write into it or delete anything from it."""
         return any(self.store.exists(name) for name in ("manifest.json", MARKER))
 
-    def mark(self) -> None:
-        """Write the marker that claims the folder for precache (before the first shard)."""
-        if not self.store.exists(MARKER):
-            from precache import __version__
+    def mark(self, generation: int = 0) -> None:
+        """Write the marker that claims the folder for precache (before the first shard), and
+        record in it ``generation``, the highest generation number the cache has had, if it
+        is higher than the one recorded (``--overwrite`` deletes every manifest, and the next
+        generation's number must still be higher than any a reader may hold)."""
+        if self.store.exists(MARKER) and generation <= self.marked_generation():
+            return
+        from precache import __version__
 
-            self.store.write_bytes(MARKER, json.dumps(
-                {"precache": __version__, "what": "a precache cache; see manifest.json"}).encode())
+        self.store.write_bytes(MARKER, json.dumps(
+            {"precache": __version__, "what": "a precache cache; see manifest.json",
+             "generation": generation}).encode())
+
+    def marked_generation(self) -> int:
+        """The generation number recorded in the marker (0 if none, or it is unreadable)."""
+        try:
+            value = json.loads(self.store.read_bytes(MARKER)).get("generation", 0)
+        except (OSError, ValueError, AttributeError):
+            return 0
+        return value if type(value) is int and value >= 0 else 0
 
     @staticmethod
     def is_own(folder: str, name: str) -> bool:
@@ -182,13 +216,33 @@ class CacheLayout:
     def clear_local(self, folder: Path) -> None:
         """Delete precache's files in the local working folder ``folder`` (``journal`` or
         ``.staging``), then the folder if nothing else is left in it."""
-        if not folder.is_dir():
-            return
+        if folder.is_symlink() or not folder.is_dir():
+            return  # a link is never followed (check_owned_folders refuses it first)
         for path in folder.iterdir():
-            if path.is_file() and self.is_own(folder.name, path.name):
+            if _regular_file(path) and self.is_own(folder.name, path.name):
                 path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only if empty: a user's file keeps it
+
+    def check_owned_folders(self) -> None:
+        """Refuse a cache whose owned folders (``OWNED_FOLDERS``) are symbolic links or not
+        folders: precache writes and deletes files in them, and would do so wherever they point.
+
+        Raises:
+            RunError: one line naming the folder and the fix.
+        """
+        for folder in (self.root / name for name in OWNED_FOLDERS):  # the cache itself may be a link
+            try:
+                mode = folder.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder"
+                raise RunError(
+                    f"'{folder}' is {what}; precache owns this folder of the cache and never "
+                    f"follows links in it (it deletes files there). Remove '{folder}' (rm, not "
+                    "rm -r) and re-run; to keep a cache on another disk, link the whole cache "
+                    "folder instead")
 
     def foreign_files(self) -> list[str]:
         """Files in the cache's folders that precache did not write (left alone; reported)."""
@@ -197,10 +251,10 @@ class CacheLayout:
             found += [f"{folder}/{name}" for name in self.store.list(folder)
                       if not self.is_own(folder, name)]
         for folder in (self.journal, self.staging):
-            if folder.is_dir():
+            if folder.is_dir() and not folder.is_symlink():
                 found += [f"{folder.name}/{p.name}" + ("/" if p.is_dir() else "")
                           for p in folder.iterdir()
-                          if not (p.is_file() and self.is_own(folder.name, p.name))]
+                          if not (_regular_file(p) and self.is_own(folder.name, p.name))]
         if self.url is None:  # a local cache's subfolders; a URL lists no folders
             found += [f"{p.name}/" for p in self.root.iterdir() if p.is_dir()
                       and p.name not in ("shards", "journal", ".staging", "generations",
@@ -228,7 +282,15 @@ class CacheLayout:
             recorded = None
         if recorded is not None and recorded != generation:
             for entry in self.journal.glob("part-*.json"):
-                if self.is_own("journal", entry.name):
+                if _regular_file(entry) and self.is_own("journal", entry.name):
                     entry.unlink()
         self.journal.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(marker, str(generation).encode(), fsync=False)
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (``lstat``: a link is not followed)."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False

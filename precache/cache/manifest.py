@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,11 @@ def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str
             check_count(entry, value)
         except ValueError as e:
             raise bad(str(e)) from None
+    try:
+        datetime.fromisoformat(obj["created"])
+    except (TypeError, ValueError):
+        raise bad(f"created is {_show(obj['created'])}, expected an ISO 8601 time such as "
+                  "'2026-01-31T12:00:00+00:00'") from None
     return shards, counts
 
 
@@ -217,17 +223,3 @@ class Manifest:
     def save(self, path: Path) -> None:
         """Write atomically (temporary file, fsync, rename)."""
         atomic_write_bytes(path, self.to_bytes())
-
-    @classmethod
-    def load(cls, path: Path) -> Manifest:
-        """Read ``manifest.json``.
-
-        Raises:
-            ManifestError: missing, not JSON, or missing fields.
-        """
-        if not path.is_file():
-            raise ManifestError(
-                f"'{path.parent}' is not a precache cache (no manifest.json); a run that was "
-                "interrupted leaves none: re-run it to finish the cache"
-            )
-        return cls.from_bytes(path.read_bytes(), str(path))

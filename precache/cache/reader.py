@@ -14,12 +14,13 @@ import pyarrow as pa
 from precache.cache.formats import ShardReader, get_format
 from precache.cache.generations import (GenerationError, ReaderLease, generation_path,
                                         kept_generations, load_generation)
+from precache.cache.layout import MARKER
 from precache.cache.manifest import Manifest, ManifestError
 from precache.cache.tables import read_table
 from precache.storage import Store
 from precache.storage.disk_cache import DiskCache
 
-__all__ = ["Cache", "load_manifest"]
+__all__ = ["Cache", "ShardMismatchError", "load_manifest"]
 
 
 def load_manifest(store: Store) -> Manifest:
@@ -33,11 +34,28 @@ def load_manifest(store: Store) -> Manifest:
         data = store.read_bytes("manifest.json")
     except (FileNotFoundError, NotADirectoryError):
         store.check_bucket()
-        raise ManifestError(
-            f"'{store.url}' is not a precache cache (no manifest.json); a run that was "
-            "interrupted leaves none: re-run it to finish the cache"
-        ) from None
+        raise ManifestError(_no_manifest(store)) from None
     return Manifest.from_bytes(data, store.uri("manifest.json"))
+
+
+def _no_manifest(store: Store) -> str:
+    """Why ``store`` has no manifest, in words that fit what is there."""
+    if not store.remote and not Path(store.base).exists():
+        return f"'{store.url}' does not exist; check the path (a cache is the folder given to "\
+               "`precache run --output`)"
+    if store.exists(MARKER):
+        return (f"'{store.url}' holds no finished cache (no manifest.json): a run was "
+                "interrupted or is writing it; re-run the same `precache run` command to finish "
+                "it")
+    if not store.remote and not Path(store.base).is_dir():
+        return f"'{store.url}' is a file, not a cache folder; check the path"
+    return (f"'{store.url}' is not a precache cache (no manifest.json); check the path (a cache "
+            "is the folder given to `precache run --output`)")
+
+
+class ShardMismatchError(ManifestError):
+    """A shard file disagrees with its manifest entry (row count or columns, from the file's
+    own footer): the cache was edited or files replaced; no row of it is served."""
 
 
 class Cache:
@@ -103,19 +121,29 @@ class Cache:
         state["lease"] = None  # the process that took it renews and releases it
         return state
 
+    def _current_generation(self) -> int | None:
+        """The cache's current generation now (``None``: no readable manifest, e.g. while an
+        ``--overwrite`` run rewrites the cache)."""
+        try:
+            return load_manifest(self.store).generation
+        except ManifestError:
+            return None
+
     def _check_kept(self, rel: str) -> None:
         """A file of this generation is missing: raise ``GenerationError`` if the generation is
         no longer the current one (so it was collected); otherwise return (the caller reports
         the missing file of the current cache)."""
-        if load_manifest(self.store).generation != self.generation:
+        if self._current_generation() != self.generation:
             raise self._missing(rel)
 
     def _missing(self, rel: str) -> GenerationError:
-        current = load_manifest(self.store).generation
+        current = self._current_generation()
+        now = (f"reopen the cache to read generation {current}" if current is not None else
+               "the cache has no finished manifest now (a run is rewriting it): reopen it once "
+               "that run has finished")
         return GenerationError(
             f"generation {self.generation} of '{self.store.url}' was removed (by `precache gc`, "
-            f"--overwrite, or a re-run after the retention period): {rel} is gone; reopen the "
-            f"cache to read generation {current}")
+            f"--overwrite, or a re-run after the retention period): {rel} is gone; {now}")
 
     def __len__(self) -> int:
         return self.manifest.rows
@@ -138,13 +166,20 @@ class Cache:
     def reader(self, i: int) -> ShardReader:
         """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
         manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
+        info = self.manifest.shards[i]
         try:
             reader = self.format.open(self.shard_path(i), self.manifest.schema)
+            problem = reader.mismatch(info.rows)  # opens the file: it outlives a deletion now
         except FileNotFoundError:  # deleted since shard_path looked
-            self._check_kept(self.manifest.shards[i].path)
+            self._check_kept(info.path)
             raise
-        if self.disk_cache is not None:
-            len(reader)  # open the local copy now: an open file outlives its eviction
+        if problem is not None:
+            reader.close()
+            raise ShardMismatchError(
+                f"shard '{self.store.uri(info.path)}' does not match generation "
+                f"{self.generation}'s manifest: {problem}; the cache was changed by hand or "
+                f"another tool, and no row of it was served: run `precache verify "
+                f"{self.store.url}`, and rebuild the cache (`precache run ... --overwrite`)")
         return reader
 
     def read_all(self, columns: list[str] | None = None) -> dict[str, Any]:

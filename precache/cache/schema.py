@@ -56,6 +56,11 @@ class ColumnSpec:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
 
+    def describe(self) -> str:
+        """For messages: ``ndarray uint8[128, 128, 3]``, ``ragged uint16``, ``str``."""
+        shape = f"[{', '.join(map(str, self.shape))}]" if self.kind == "ndarray" else ""
+        return " ".join(part for part in (self.kind, f"{self.dtype}{shape}") if part)
+
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ColumnSpec:
         return cls(kind=obj["kind"], dtype=obj.get("dtype", ""), shape=tuple(obj.get("shape", ())))

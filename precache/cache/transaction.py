@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,8 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats import ShardFormat, ShardInfo
-from precache.cache.generations import (DEFAULT_RETENTION_S, collect, generation_path,
-                                        kept_generations, load_generation)
+from precache.cache.generations import (DEFAULT_RETENTION_S, READERS, collect,
+                                        generation_path, kept_generations, load_generation)
 from precache.cache.layout import MARKER, CacheLayout
 from precache.cache.lock import CacheLock
 from precache.cache.manifest import Manifest, ManifestError
@@ -102,6 +103,7 @@ class WriteTransaction:
         self.log = log
         self.retention_s = retention_s
         self.old: Manifest | None = None
+        self._floor = 0  # the highest generation number this cache has had (see _prepare_output)
         self._state = _State()
         self._lock = CacheLock(self.layout)
 
@@ -109,6 +111,8 @@ class WriteTransaction:
 
     def __enter__(self) -> WriteTransaction:
         self._check_output()
+        if self.layout.url is None or self.layout.root.exists():
+            self.layout.check_owned_folders()  # before the lock: nothing written or deleted yet
         self._lock.acquire()
         try:
             layout = self.layout
@@ -186,7 +190,12 @@ class WriteTransaction:
             raise RunError(f"output '{layout.location}' holds a cache of pipeline "
                            f"'{old.pipeline}', not '{self.pipeline}'; use --overwrite to replace "
                            "it, or another --output")
+        # Generation numbers only grow, --overwrite included: a reader of a replaced generation
+        # must never find a new one under its number (it fails with GenerationError instead).
+        self._floor = max([layout.marked_generation(), *kept_generations(store),
+                           *_leased_generations(store), old.generation if old is not None else 0])
         if self.overwrite:
+            layout.mark(generation=self._floor)  # survives the deletes below, and a crash
             store.delete("manifest.json")  # first: from here on it is not a finished cache
             for name in store.list("shards"):
                 layout.delete_own("shards", name)
@@ -212,7 +221,11 @@ class WriteTransaction:
                 except ManifestError:
                     continue  # unreadable: its files are orphans to this run
                 state.referenced |= {Path(s.path).name for s in kept.shards}
-            state.max_seq = max((layout.shard_seq(s.path) for s in old.shards), default=0)
+        # numbers go on past every shard file there is (names carry a content hash anyway)
+        state.max_seq = max((layout.shard_seq(name) for name in layout.store.list("shards")
+                             if layout.is_own("shards", name)), default=0)
+        if old is not None:
+            state.max_seq = max([state.max_seq, *(layout.shard_seq(s.path) for s in old.shards)])
             if old.fingerprint == self.fingerprint:
                 try:
                     index = read_table(layout.store, old.index["path"]).to_pylist()
@@ -338,7 +351,7 @@ class WriteTransaction:
                            "the pipeline's ops emit different columns for different inputs")
         schema = schema_from_json(state.schemas[used[0]]) if used else (
             old.schema if old is not None and old.fingerprint == self.fingerprint else {})
-        generation = (old.generation if old is not None else 0) + 1
+        generation = max(old.generation if old is not None else 0, self._floor) + 1
         index_name = layout.index(generation).name
         index_sum = self._write_table(index_name, ordered, INDEX_SCHEMA)
         errors = [{k: r[k] for k in ERRORS_SCHEMA.names} for r in ordered
@@ -387,3 +400,12 @@ class WriteTransaction:
                      f"{layout.location}` removes them later")
         layout.clear_local(layout.journal)
         layout.clear_local(layout.staging)
+
+
+_LEASED = re.compile(r"gen-([0-9]{5,})-.+\.json")
+
+
+def _leased_generations(store: Any) -> list[int]:
+    """The generations named by reader lease files (live or not): a reader may hold them."""
+    found = (_LEASED.fullmatch(name) for name in store.list(READERS))
+    return [int(m.group(1)) for m in found if m]

@@ -1,4 +1,5 @@
-"""Check a cache end to end: every shard's checksum, row count and decodability, and the tables.
+"""Check a cache end to end: every kept generation (or one), each shard's checksum, its row count
+and columns as its own footer states them against the manifest's, that it decodes, and the tables.
 
 A remote cache's shards are checked as stored (size) and as downloaded into the disk cache
 (checksum, rows, decoding); a local copy already there is hashed again. The manifest itself is
@@ -17,7 +18,7 @@ from precache.cache import Cache
 from precache.storage import ChecksumError
 from precache.storage.hashing import file_checksum
 
-__all__ = ["Problem", "verify"]
+__all__ = ["Problem", "generations_checked", "verify"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ def _check_shard(cache: Cache, i: int) -> str | None:
         checksum = file_checksum(path)
         if checksum != info.checksum:
             return f"checksum {checksum} does not match the manifest's {info.checksum}"
-    reader = cache.reader(i)
+    reader = cache.format.open(cache.shard_path(i), cache.manifest.schema)
     try:
-        if len(reader) != info.rows:
-            return f"{len(reader)} rows, manifest says {info.rows}"
+        mismatch = reader.mismatch(info.rows)  # the file's own footer against the manifest
+        if mismatch is not None:
+            return mismatch
         columns = reader.read()
     except Exception as e:  # noqa: BLE001 - any failure to decode is the finding
         return f"cannot be decoded ({type(e).__name__}: {e})"
@@ -80,15 +82,39 @@ def _check_shard(cache: Cache, i: int) -> str | None:
     return None
 
 
-def verify(path: str | os.PathLike[str]) -> list[Problem]:
-    """Re-read every file of the cache at ``path``; return the problems found (empty if sound).
+def verify(path: str | os.PathLike[str], generation: int | None = None) -> list[Problem]:
+    """Re-read every file of each kept generation of the cache at ``path`` (or only
+    ``generation``); return the problems found (empty if sound). A shard that several
+    generations list is checked once.
 
     Raises:
         ManifestError: there is no readable manifest (nothing else can be checked).
+        GenerationError: ``generation`` is not kept.
     """
+    current = Cache(path)
+    numbers = [generation] if generation is not None else current.kept_generations()
+    problems: list[Problem] = []
+    checked: set[str] = set()
+    for number in numbers:
+        cache = current if number == current.generation else Cache(path, generation=number)
+        where = "" if numbers == [current.generation] else f" (generation {number})"
+        problems += [Problem(p.path, p.reason + where) for p in _check_generation(cache, checked)]
+    return problems
+
+
+def generations_checked(path: str | os.PathLike[str], generation: int | None = None) -> list[int]:
+    """The generations ``verify`` checks (for its report)."""
     cache = Cache(path)
+    return [generation] if generation is not None else cache.kept_generations()
+
+
+def _check_generation(cache: Cache, checked: set[str]) -> list[Problem]:
+    """The problems of one generation's shards (those not in ``checked``) and tables."""
     problems: list[Problem] = []
     for i, info in enumerate(cache.manifest.shards):
+        if info.path in checked:
+            continue
+        checked.add(info.path)
         reason = _check_shard(cache, i)
         if reason:
             problems.append(Problem(info.path, reason))

@@ -1,11 +1,13 @@
-"""``precache gc CACHE``: remove superseded generations no reader holds, and their files."""
+"""``precache gc CACHE``: remove superseded generations no reader holds, and their files; keep
+the shards an interrupted run committed (named in its journal) until it is resumed, or until
+``--drop-interrupted``."""
 
 from __future__ import annotations
 
 import argparse
 import re
 
-from precache.cache.generations import DEFAULT_RETENTION_S, collect
+from precache.cache.generations import DEFAULT_RETENTION_S, collect, journaled_shards
 from precache.cache.layout import CacheLayout
 from precache.cache.lock import CacheLock
 from precache.cache.reader import load_manifest
@@ -43,8 +45,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         f"(default {DEFAULT_RETENTION_S / 3600:.0f} h). This removes superseded generations "
         "that no live reader holds, that were superseded longer ago than --older-than and "
         "that are not among the --keep newest, then every shard and table no kept generation "
-        "names. The current generation is never removed. Takes the cache's write lock (fails "
-        "while a run writes it).",
+        "names. The current generation is never removed. The shards that an interrupted run "
+        "committed (named in the cache's journal/) are kept, so that re-running the same "
+        "command resumes it without computing them again; --drop-interrupted deletes them and "
+        "the journal. Takes the cache's write lock (fails while a run writes it).",
         epilog="examples:\n  precache gc cache/ --dry-run\n  precache gc cache/ --older-than 0"
         "\n  precache gc s3://bucket/cache --older-than 2h --keep 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep", type=count, default=None, metavar="N",
                         help="keep the N newest superseded generations whatever their age "
                         "(default: none kept by count)")
+    parser.add_argument("--drop-interrupted", action="store_true",
+                        help="also delete the shards an interrupted run committed, and its "
+                        "journal (its re-run then starts over)")
     parser.add_argument("--dry-run", action="store_true",
                         help="say what would be removed; remove nothing")
     parser.set_defaults(handler=gc_command)
@@ -67,15 +74,32 @@ def gc_command(args: argparse.Namespace) -> int:
     A run holding the lock is a ``CacheBusyError`` (exit 1, by the dispatcher)."""
     load_manifest(Store(args.cache))  # not a cache: say so before taking (making) a lock
     layout = CacheLayout.for_output(args.cache)
+    layout.check_owned_folders()  # a folder replaced by a link: never delete where it points
     with CacheLock(layout):
         current = load_manifest(layout.store)
+        journaled = journaled_shards(layout.journal)  # no run holds the lock: it was interrupted
+        interrupted = layout.journal.is_dir() and any(layout.journal.glob("part-*.json"))
+        if args.drop_interrupted and not args.dry_run:
+            # the journal first: its shards are then orphans, which any later collect deletes
+            layout.clear_local(layout.journal)
         done = collect(layout.store, current, retention_s=args.older_than, keep=args.keep,
-                       dry_run=args.dry_run, is_own=layout.is_own)
+                       dry_run=args.dry_run, is_own=layout.is_own,
+                       keep_files=() if args.drop_interrupted else set(journaled))
     verb = "would remove" if args.dry_run else "removed"
     for generation in done.removed:
         print(f"{verb} generation {generation}")
     for generation, why in sorted(done.kept.items()):
         print(f"kept generation {generation}: {why}")
+    journal = "journal/" if layout.url is None else str(layout.journal)
+    if done.kept_files:
+        print(f"kept {len(done.kept_files)} shard(s) of an interrupted run (named in its "
+              f"journal, {journal}): re-run the same command to resume it, or `precache gc "
+              f"{layout.location} --drop-interrupted` to delete them")
+    if args.drop_interrupted:
+        dropped = [rel for rel in done.deleted_files if rel in journaled]
+        if interrupted:
+            print(f"{'would delete' if args.dry_run else 'deleted'} {len(dropped)} shard(s) of "
+                  f"an interrupted run, and its journal ({journal})")
     freed = "would free" if args.dry_run else "freed"
     print(f"current generation {current.generation}; {verb} {len(done.deleted_files)} file(s), "
           f"{freed} {done.freed_bytes} bytes ({done.freed_bytes / 1e6:.1f} MB)")

@@ -23,10 +23,10 @@ from precache.storage.hashing import CHECKSUM_FORM, is_checksum
 __all__ = ["ShardInfo", "ShardFormat", "ShardReader", "contiguous_runs", "advise_rows",
            "SHARD_PATH_FORM", "check_count"]
 
-SHARD_PATH_FORM = "shards/part-NNNNN.<suffix>"
-"""How a shard's path in a manifest looks, for messages."""
+SHARD_PATH_FORM = "shards/part-NNNNN-<16 hex digits>.<suffix>"
+"""How a shard's path in a manifest looks, for messages (older caches: no hex digits)."""
 
-_SHARD_PATH = re.compile(r"shards/part-[0-9]{5,}\.[A-Za-z0-9]+")
+_SHARD_PATH = re.compile(r"shards/part-[0-9]{5,}(-[0-9a-f]{16})?\.[A-Za-z0-9]+")
 
 
 def check_count(name: str, value: Any) -> int:
@@ -86,7 +86,8 @@ class ShardInfo:
         path = obj["path"]
         if (not isinstance(path, str) or _SHARD_PATH.fullmatch(path) is None
                 or suffix is not None and not path.endswith(suffix)):
-            form = SHARD_PATH_FORM if suffix is None else f"shards/part-NNNNN{suffix}"
+            form = SHARD_PATH_FORM if suffix is None else SHARD_PATH_FORM.replace(".<suffix>",
+                                                                                   suffix)
             raise ValueError(f"path is {short_repr(path)}, expected {form} (a file in the "
                              "cache's shards folder)")
         rows, size = check_count("rows", obj["rows"]), check_count("bytes", obj["bytes"])
@@ -160,6 +161,14 @@ class ShardReader(ABC):
         """Unmap the mapped pages this process has touched (``madvise(MADV_DONTNEED)``): they
         stay in the page cache for every process, but no longer count as this process's
         memory. The next read maps them again (a minor fault). Default: nothing mapped."""
+
+    def mismatch(self, rows: int) -> str | None:
+        """What in the file contradicts its manifest entry (``rows`` rows of the columns
+        ``self.schema``), read cheaply from the file's own metadata (its footer or header); or
+        ``None`` if it agrees. Readers check it before serving a row: a manifest edited by
+        hand, or a file replaced, must not feed wrong rows or rows past the file's end."""
+        found = len(self)
+        return None if found == rows else f"the file holds {found} rows, the manifest says {rows}"
 
     @property
     def nbytes(self) -> int:

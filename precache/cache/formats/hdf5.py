@@ -79,6 +79,34 @@ class HDF5ShardReader(ShardReader):
     def __len__(self) -> int:
         return int(self._open().attrs["rows"])
 
+    def mismatch(self, rows: int) -> str | None:
+        """Row count, each dataset's shape and dtype against the manifest's (see
+        ``ShardReader.mismatch``)."""
+        file = self._open()
+        found = int(file.attrs.get("rows", -1))
+        if found != rows:
+            return f"the file holds {found} rows, the manifest says {rows}"
+        for name, spec in self.schema.items():
+            if name not in file:
+                return f"the file has no column {name!r} (it has {', '.join(file)})"
+            dataset = file[name]
+            if spec.kind in ("ndarray", "scalar"):
+                if dataset.shape != (rows, *spec.shape) or dataset.dtype != np.dtype(spec.dtype):
+                    return (f"column {name!r} is stored as {dataset.dtype}"
+                            f"{list(dataset.shape[1:])}, the manifest says {spec.describe()}")
+                continue
+            if dataset.shape != (rows,):
+                return f"column {name!r} holds {dataset.shape} values, expected {rows}"
+            is_str = h5py.check_string_dtype(dataset.dtype) is not None
+            items = h5py.check_vlen_dtype(dataset.dtype)
+            fits = (is_str if spec.kind == "str" else not is_str and items is not None and (
+                items == np.dtype(np.uint8 if spec.kind == "bytes" else spec.dtype)))
+            if not fits:
+                stored = "str" if is_str else f"variable-length {items}"
+                return (f"column {name!r} is stored as {stored}, the manifest says "
+                        f"{spec.describe()}")
+        return None
+
     def _read_column(self, name: str, indices: np.ndarray | None) -> Any:
         spec = self.schema[name]
         if spec.kind in ("ndarray", "scalar"):

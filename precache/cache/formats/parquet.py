@@ -17,18 +17,19 @@ page; columns written otherwise (older caches, other writers) are decoded as bef
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows
-from precache.cache.schema import ColumnSpec
+from precache.cache.schema import ColumnSpec, schema_from_json, schema_to_json
 
 __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
 
@@ -148,6 +149,25 @@ def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
     return pa.array(values, type=pa.large_binary())
 
 
+SCHEMA_KEY = b"precache.schema"
+"""The Parquet footer's key-value entry holding the precache schema the shard was written with."""
+
+
+def _stored_as(spec: ColumnSpec) -> Callable[[pa.DataType], bool]:
+    """Whether an Arrow type in a file's footer is how ``spec`` is stored (older precache
+    versions and other writers included: a string may be large, a list plain)."""
+    if spec.kind == "ndarray":
+        return lambda t: t == pa.binary(_width(spec))
+    if spec.kind == "scalar":
+        return lambda t: t == pa.from_numpy_dtype(np.dtype(spec.dtype))
+    if spec.kind == "str":
+        return lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+    if spec.kind == "bytes":
+        return lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    values = pa.from_numpy_dtype(np.dtype(spec.dtype))
+    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and t.value_type == values
+
+
 def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
     if spec.kind == "ndarray":
         combined = array.combine_chunks()
@@ -210,6 +230,30 @@ class ParquetShardReader(ShardReader):
         if self._rows is None:
             self._rows = self._open().metadata.num_rows
         return self._rows
+
+    def mismatch(self, rows: int) -> str | None:
+        """Row count and column types from the footer against the manifest's (see
+        ``ShardReader.mismatch``); the footer is parsed once, for ``mapped`` too."""
+        file = self._open()
+        if file.metadata.num_rows != rows:
+            return f"the file holds {file.metadata.num_rows} rows, the manifest says {rows}"
+        arrow = file.schema_arrow
+        try:
+            written = schema_from_json(json.loads((arrow.metadata or {})[SCHEMA_KEY]))
+        except (KeyError, ValueError, TypeError, AttributeError):
+            written = {}  # an older precache's shard: the Arrow types still tell a lot
+        for name, spec in self.schema.items():
+            index = arrow.get_field_index(name)
+            if index < 0:
+                return f"the file has no column {name!r} (it has {', '.join(arrow.names)})"
+            if name in written and written[name] != spec:
+                return (f"column {name!r} was written as {written[name].describe()}, the "
+                        f"manifest says {spec.describe()}")
+            stored = arrow.field(index).type
+            if not _stored_as(spec)(stored):
+                return (f"column {name!r} is stored as Arrow {stored}, which is not "
+                        f"{spec.describe()} as the manifest says")
+        return None
 
     def mapped(self) -> dict[str, np.ndarray]:
         """The columns that are read from the mapped file, as ``(n, *shape)`` read-only views."""
@@ -300,7 +344,8 @@ class ParquetFormat(ShardFormat):
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
         fields = [pa.field(name, array.type, nullable=schema[name].kind not in MAPPED_KINDS)
                   for name, array in arrays.items()]
-        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(fields))
+        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(
+            fields, metadata={SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}))
         packed = [n for n, s in schema.items() if s.kind in ("str", "ragged")]  # these compress
         rows = max(1, len(table))
         pq.write_table(

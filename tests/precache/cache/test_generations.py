@@ -149,7 +149,7 @@ def test_recent_generations_are_kept_for_the_retention_period(tmp_path: Path) ->
     bad = precache_cli("gc", str(cache), "--older-than", "soon")
     assert bad.returncode == 2 and "'soon' is not a duration" in bad.stderr
     missing = precache_cli("gc", str(tmp_path / "nowhere"))
-    assert missing.returncode == 1 and "is not a precache cache" in missing.stderr
+    assert missing.returncode == 1 and "does not exist; check the path" in missing.stderr
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -235,8 +235,8 @@ def assert_generation_1_removed(cache: Path | str, unheld: precache.Cache, shard
         unheld.reader(shard)
     assert str(caught.value) == (
         f"generation 1 of '{cache}' was removed (by `precache gc`, --overwrite, or a re-run "
-        f"after the retention period): shards/part-{shard + 1:05d}.parquet is gone; reopen the "
-        "cache to read generation 2")
+        f"after the retention period): {unheld.manifest.shards[shard].path} is gone; reopen "
+        "the cache to read generation 2")
     with pytest.raises(GenerationError, match=r"^'.*' has no generation 1 any more \(kept: 2; "
                                               r"current: 2\); read the current one"):
         precache.Cache(cache, generation=1)

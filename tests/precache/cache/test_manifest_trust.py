@@ -48,6 +48,7 @@ def setter(*keys: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
 
 
 SHARD0 = ("shards", 0)
+SHARD_FORM = "shards/part-NNNNN-<16 hex digits>.parquet"
 BROKEN = [  # (what is changed, the entry named, part of what is expected)
     (setter(*SHARD0, "checksum", value="sha256:../victim"), "shards[0].checksum",
      "sha256:<64 lowercase hex digits>"),
@@ -55,16 +56,16 @@ BROKEN = [  # (what is changed, the entry named, part of what is expected)
     (setter(*SHARD0, "checksum", value=f"sha256:{HEX}0"), "shards[0].checksum", "sha256:"),
     (setter(*SHARD0, "checksum", value=f"md5:{HEX}"), "shards[0].checksum", "sha256:"),
     (setter(*SHARD0, "checksum", value=None), "shards[0].checksum", "sha256:"),
-    (setter(*SHARD0, "path", value="../../victim"), "shards[0].path", "shards/part-NNNNN.parquet"),
-    (setter(*SHARD0, "path", value="/etc/passwd"), "shards[0].path", "shards/part-NNNNN.parquet"),
+    (setter(*SHARD0, "path", value="../../victim"), "shards[0].path", SHARD_FORM),
+    (setter(*SHARD0, "path", value="/etc/passwd"), "shards[0].path", SHARD_FORM),
     (setter(*SHARD0, "path", value="shards/../../part-00001.parquet"), "shards[0].path",
-     "shards/part-NNNNN.parquet"),
+     SHARD_FORM),
     (setter(*SHARD0, "path", value="shards/sub/part-00001.parquet"), "shards[0].path", "shards/"),
     (setter(*SHARD0, "path", value="shards\\part-00001.parquet"), "shards[0].path", "shards/"),
     (setter(*SHARD0, "path", value="shards/part-00001.parquet\x00"), "shards[0].path", "shards/"),
     (setter(*SHARD0, "path", value="./shards/part-00001.parquet"), "shards[0].path", "shards/"),
     (setter(*SHARD0, "path", value="shards/part-00001.h5"), "shards[0].path",
-     "shards/part-NNNNN.parquet"),  # not this cache's format
+     SHARD_FORM),  # not this cache's format
     (setter(*SHARD0, "path", value=["shards/part-00001.parquet"]), "shards[0].path", "shards/"),
     (setter("shards", 1, "path", value="shards/part-00001.parquet"), "shards[1].path",
      "each shard once"),
