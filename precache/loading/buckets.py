@@ -1,5 +1,6 @@
-"""``LengthBucketSampler``: batches of similar lengths (little padding), every sample exactly once
-per epoch across ranks, equal batch counts on every rank, resumable mid-epoch on any world size.
+"""``LengthBucketSampler``: batches of similar lengths (little padding), every sample at least once
+per epoch across ranks (a few repeated to fill the last global batch, or dropped with
+``drop_last``), equal batch counts on every rank, resumable mid-epoch on any world size.
 
 The plan of an epoch is global and the same on every rank: shuffle all indices by seed and epoch;
 cut them into windows of ``bucket_batches`` global batches (a global batch is ``batch_size`` x
