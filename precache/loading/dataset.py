@@ -386,10 +386,14 @@ class CachedDataset:
                 start += len(rows)
             reader = self._reader(shard)
             views = reader.mapped()
+            if views and rows[-1] >= len(next(iter(views.values()))):  # rows ascend: O(1)
+                raise IndexError(f"{self.path}: row {int(rows[-1])} of shard {shard} is past the "
+                                 "end of its file; run `precache verify` on the cache")
             rest = [name for name in self.columns if name not in views]
             for name, view in views.items():
                 if name in out:
                     if storage_order and view.flags.aligned:  # one copy, into the batch
+                        # rows are in range (checked above): "clip" only spares take a copy
                         np.take(view, rows, axis=0, out=out[name][positions], mode="clip")
                     else:  # (take is slow on unaligned data; a slice takes a plain copy)
                         out[name][positions] = view[rows]
