@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from precache.build.sources import Input, read_bytes
+from precache.build.sources import DEFAULT_MAX_INPUT_BYTES, Input, read_bytes
 from precache.build.worker import Task
 from precache.storage.hashing import hash_bytes
 
@@ -23,10 +23,12 @@ MIN_TASKS = 32
 16 inputs), fine enough that workers finish together."""
 
 
-def classify(inputs: list[Input], cached: dict[str, dict[str, Any]]
+def classify(inputs: list[Input], cached: dict[str, dict[str, Any]],
+             max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
              ) -> tuple[list[Input], dict[str, dict[str, Any]]]:
     """Split inputs into those to compute and the records of those unchanged. ``cached``: key
-    -> index record of what the cache holds for this fingerprint."""
+    -> index record of what the cache holds for this fingerprint; ``max_input_bytes``: the
+    run's limit on reading one input (to hash a touched one)."""
     todo: list[Input] = []
     kept: dict[str, dict[str, Any]] = {}
     for item in inputs:
@@ -37,7 +39,8 @@ def classify(inputs: list[Input], cached: dict[str, dict[str, Any]]
                 unchanged = True
             elif record["size"] == item.size:
                 try:
-                    unchanged = hash_bytes(read_bytes(item.locator)) == record["source_hash"]
+                    unchanged = (hash_bytes(read_bytes(item.locator, max_input_bytes))
+                                 == record["source_hash"])
                 except OSError:
                     unchanged = False
         if unchanged:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from precache.build.executors import WorkerDied, require_ray, run_tasks, run_tasks_ray
 from precache.build.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
-from precache.build.sources import list_inputs
+from precache.build.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
 from precache.build.worker import WorkerConfig
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
@@ -97,6 +97,7 @@ def run(
     executor: str = "local",
     ray_address: str | None = None,
     retention_s: float = DEFAULT_RETENTION_S,
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
 ) -> RunSummary:
     """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
 
@@ -125,6 +126,11 @@ def run(
         retention_s: how long the files of the generation this run replaces are kept for
             readers that still use it (default an hour; always while a reader holds it; see
             ``precache gc``). 0 deletes them at once unless a reader holds them.
+        max_input_bytes: the most bytes one input may have (default 2 GiB). A bigger input
+            fails at stage ``read`` (checked before reading, and no read goes past it), as does
+            an input that is not a regular file (a FIFO, a device, a socket; a symlink to a
+            regular file is fine); the run goes on. Not part of the fingerprint: raising it
+            retries those inputs on the next run.
 
     Returns:
         A ``RunSummary``.
@@ -142,6 +148,7 @@ def run(
         raise ValueError(f"shard_rows must be positive, got {shard_rows}")
     if executor not in ("local", "ray"):
         raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+    max_input_bytes = check_max_input_bytes(max_input_bytes)
     if executor == "ray":
         require_ray(ray_address)  # before any work
     ray_workers = None if workers is None else max(1, workers)  # None: the cluster's CPUs
@@ -154,7 +161,7 @@ def run(
     transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
                                    overwrite=overwrite, log=log, retention_s=retention_s)
     with transaction as tx:
-        todo, kept = classify(inputs, tx.records)
+        todo, kept = classify(inputs, tx.records, max_input_bytes)
         deleted = len(set(tx.records) - {item.key for item in inputs})
         log(f"precache: {len(inputs)} inputs: {len(kept)} unchanged, {len(todo)} to compute"
             + (f", {deleted} deleted" if deleted else ""))
@@ -165,7 +172,8 @@ def run(
         config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,
                               cache_root=str(layout.root), cache_url=layout.url,
                               format=format, fingerprint=fp,
-                              pipeline_name=pipeline.name, fail_fast=fail_fast)
+                              pipeline_name=pipeline.name, fail_fast=fail_fast,
+                              max_input_bytes=max_input_bytes)
         written = 0
         bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
                    dynamic_ncols=True)

@@ -4,11 +4,17 @@ A JSON Lines, CSV, Parquet or Arrow file (where the pipeline accepts the suffix)
 inputs, one per record, keyed ``<file>:<n>`` (see ``precache.records``): one bad record is one
 failed input, and a re-run recomputes only the records whose bytes changed. A ``datasets.Dataset``
 is read from the Arrow files behind it.
+
+Only regular files are read (a symlink to one is fine): a FIFO, a device or a socket named like an
+input is a failed input, checked with ``stat`` before it is opened, so it can neither block the run
+nor feed it without end. Every read is bounded by ``max_input_bytes`` (default 2 GiB): a bigger
+input is a failed input, not a worker killed for memory.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +23,15 @@ from typing import Any, Iterable
 import pyarrow.fs as pafs
 
 from precache.records import RECORD_SUFFIXES, natural_key, read_record, records_of
-from precache.storage import Store, explained, is_remote, is_url, read_remote_bytes, resolve
+from precache.storage import Store, explained, is_remote, is_url, resolve
 
-__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES"]
+__all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES",
+           "DEFAULT_MAX_INPUT_BYTES", "NotRegularFileError", "InputTooLargeError",
+           "check_max_input_bytes", "format_bytes"]
+
+DEFAULT_MAX_INPUT_BYTES = 2 * 1024**3
+"""The most bytes one input may have (2 GiB): far above any photo, text record or short video, and
+small enough that a runaway read (a link to ``/dev/zero``) fails its input, not the machine."""
 
 
 LIST_SUFFIXES = (".txt", ".lst")
@@ -28,6 +40,58 @@ LIST_SUFFIXES = (".txt", ".lst")
 
 class InputError(ValueError):
     """The ``--input`` path cannot be listed (missing, empty, or of an unknown kind)."""
+
+
+class NotRegularFileError(OSError):
+    """An input is not a regular file (a FIFO, a device, a socket, a folder): it is not read."""
+
+
+class InputTooLargeError(OSError):
+    """An input has more than ``max_input_bytes`` bytes: it is not read (or read no further)."""
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a message: ``2 GiB``, ``1.5 MiB``, ``1,000 bytes``."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n:,} bytes"
+
+
+def check_max_input_bytes(value: Any) -> int:
+    """``value`` as a byte limit; ``ValueError`` unless it is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_input_bytes must be a positive number of bytes, got {value!r}")
+    return value
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a file")
+
+
+def _not_regular(mode: int) -> NotRegularFileError:
+    return NotRegularFileError(
+        f"not a regular file ({_kind(mode)}): only regular files are read; put the file itself "
+        "there (a symlink to a regular file is fine)")
+
+
+def _too_large(size: int | None, max_bytes: int) -> InputTooLargeError:
+    what = f"{size:,} bytes," if size is not None else "grew while being read and is"
+    return InputTooLargeError(
+        f"{what} larger than max_input_bytes ({format_bytes(max_bytes)}); raise "
+        "--max-input-bytes (or precache.run(max_input_bytes=...)) to read it")
+
+
+def _is_regular(path: str | os.PathLike[str]) -> bool:
+    """True for a regular file or a link to one (following links; never opening the file)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # missing or unreadable: reading it fails with the reason
 
 
 @dataclass(frozen=True)
@@ -69,7 +133,11 @@ def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
 
 
 def _records(item: Input) -> Iterable[Input]:
-    """The records of a record file, each an input of its own."""
+    """The records of a record file, each an input of its own (a FIFO or device named like a
+    record file is not opened: it is one input, whose read fails with the reason)."""
+    if not is_remote(item.locator) and not _is_regular(item.locator):
+        yield item
+        return
     try:
         found = [Input(f"{item.key}:{n}", locator, size, item.mtime_ns)
                  for n, locator, size in records_of(item.locator)]
@@ -89,6 +157,9 @@ def _expand_records(inputs: list[Input], extensions: tuple[str, ...]) -> list[In
 
 
 def _read_list(list_file: Path) -> Iterable[Input]:
+    if not _is_regular(list_file):
+        raise InputError(f"input list '{list_file}' is not a regular file "
+                         f"({_kind(list_file.stat().st_mode)}); pass a file, or a folder")
     base = list_file.parent
     for line in list_file.read_text(encoding="utf-8").splitlines():
         entry = line.strip()
@@ -235,13 +306,69 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...])
     return inputs
 
 
-def read_bytes(locator: str) -> bytes:
+def _read_local(path: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``max_bytes`` of them.
+
+    ``stat`` (following links) refuses a FIFO, device or socket before anything opens it (opening
+    one can block, or have effects); the file is then opened non-blocking and checked again on the
+    descriptor (the path may have changed in between), and read for at most ``max_bytes + 1``
+    bytes whatever its size said (a file may grow, or report 0 like those in ``/proc``).
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(st.st_mode)
+    if st.st_size > max_bytes:
+        raise _too_large(st.st_size, max_bytes)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as f:  # owns fd from here
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode)
+        if st.st_size > max_bytes:
+            raise _too_large(st.st_size, max_bytes)
+        data = f.read(st.st_size + 1)  # the whole file, in one allocation of its size
+        if len(data) > st.st_size:  # it grew since stat: read on, bounded
+            data += f.read(max_bytes + 1 - len(data))
+            if len(data) > max_bytes:
+                raise _too_large(None, max_bytes)
+    return data
+
+
+def _read_remote(url: str, max_bytes: int) -> bytes:
+    """The bytes of the remote object ``url`` (as ``read_remote_bytes``), at most ``max_bytes``,
+    read in growing chunks so a small object never costs a large allocation."""
+    fs, path = resolve(url)
+    chunks: list[bytes] = []
+    total, chunk = 0, 1 << 20
+    with explained(url), fs.open_input_stream(path) as f:
+        while total <= max_bytes:
+            data = f.read(min(chunk, max_bytes + 1 - total))
+            if not data:
+                break
+            chunks.append(data)
+            total += len(data)
+            chunk = min(chunk * 2, 64 << 20)
+    if total > max_bytes:
+        raise _too_large(None, max_bytes)
+    return b"".join(chunks)
+
+
+def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
     """Read an input's bytes: a file, or one record of a record file (see ``precache.records``).
-    Raises ``OSError`` with the reason if it cannot."""
+
+    Only a regular file (or a link to one) is read, and at most ``max_bytes`` of it.
+
+    Raises:
+        NotRegularFileError: a FIFO, device, socket or folder (never opened, so never a hang).
+        InputTooLargeError: more than ``max_bytes`` bytes (checked before reading, and bounded
+            while reading).
+        OSError: it cannot be read, with the reason.
+    """
     record = read_record(locator)
     if record is not None:
+        if len(record) > max_bytes:
+            raise _too_large(len(record), max_bytes)
         return record
     if is_remote(locator):
-        return read_remote_bytes(locator)
-    with open(locator, "rb") as f:
-        return f.read()
+        return _read_remote(locator, max_bytes)
+    return _read_local(locator, max_bytes)

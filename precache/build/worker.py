@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from precache.build.sources import Input, read_bytes
+from precache.build.sources import DEFAULT_MAX_INPUT_BYTES, Input, read_bytes
 from precache.cache import CacheLayout
 from precache.cache.formats import ShardInfo, get_format
 from precache.cache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
@@ -43,7 +43,8 @@ class Task:
 class WorkerConfig:
     """What every worker process needs: the pipeline (or how to load it) and where to write:
     ``cache_root`` (the cache directory, or the local working directory of the remote cache
-    ``cache_url``, where shards are uploaded)."""
+    ``cache_url``, where shards are uploaded). ``max_input_bytes``: inputs bigger than this are
+    failed at stage ``read`` without being read whole (see ``precache.build.sources``)."""
 
     pipeline: Pipeline | str
     params: dict[str, Any]
@@ -54,6 +55,7 @@ class WorkerConfig:
     fail_fast: bool = False
     batch_size: int = 8
     cache_url: str | None = None
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
 
 
 @dataclass
@@ -229,7 +231,7 @@ def run_task(task: Task) -> TaskResult:
         for i in range(start, min(start + config.batch_size, len(task.inputs))):
             item = task.inputs[i]
             try:
-                data = read_bytes(item.locator)
+                data = read_bytes(item.locator, config.max_input_bytes)
             except OSError as error:
                 _fail(records[i], "read", error)
             else:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from precache.build import DEFAULT_SHARD_ROWS, RunSummary, default_workers, run
+from precache.build.sources import DEFAULT_MAX_INPUT_BYTES, format_bytes
 from precache.cache.formats import FORMATS
 from precache.cache.inspect import _size
 from precache.pipeline import PipelineError, available_pipelines, load_pipeline
@@ -40,6 +42,20 @@ def _pipeline_help() -> str:
     return "\n".join(lines) or "  none"
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``1000``, or with a suffix in powers of 1024: ``512K``, ``64M``, ``4G``,
+    ``1T`` (``KiB``, ``MB``, ``GiB``... are read the same way)."""
+    match = _SIZE.match(text)
+    if not match or int(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive size: give bytes (1000000) or a number with K, M, G or "
+            "T (powers of 1024), e.g. 4G")
+    return int(match[1]) * 1024 ** " KMGT".index(match[2].upper() or " ")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
@@ -70,6 +86,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first failed input with exit code 1")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--max-input-bytes", type=parse_size, default=DEFAULT_MAX_INPUT_BYTES,
+                        metavar="SIZE",
+                        help="the most bytes one input may have (default "
+                        f"{format_bytes(DEFAULT_MAX_INPUT_BYTES)}); K, M, G, T suffixes are "
+                        "powers of 1024 (e.g. 8G). A bigger input is a failed input (stage read), "
+                        "refused before it is read and never read past the limit; so is one that "
+                        "is not a regular file (a FIFO, device or socket; a symlink to a file is "
+                        "fine). The run goes on")
     parser.add_argument("--executor", choices=["local", "ray"], default="local",
                         help="local: worker processes on this machine (default). ray: one Ray "
                         "actor per worker, each loading the models once; without --address a "
@@ -112,7 +136,7 @@ def run_command(args: argparse.Namespace) -> int:
         pipeline, args.input, args.output, params=overrides, workers=args.workers,
         format=args.format, shard_rows=args.shard_rows, overwrite=args.overwrite,
         fail_fast=args.fail_fast, progress=not args.quiet, executor=args.executor,
-        ray_address=args.address,
+        ray_address=args.address, max_input_bytes=args.max_input_bytes,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     print_summary(summary)
