@@ -5,7 +5,14 @@ transaction can raise it without importing the runner that calls them."""
 
 from __future__ import annotations
 
-__all__ = ["RunError", "short_repr"]
+import errno
+
+__all__ = ["DISK_FULL", "RunError", "disk_full", "short_repr"]
+
+DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system"}
+"""errno -> words for the writes that fail for want of space (or of a writable file system)."""
+if hasattr(errno, "EDQUOT"):
+    DISK_FULL[errno.EDQUOT] = "disk quota exceeded"
 
 
 class RunError(RuntimeError):
@@ -16,3 +23,11 @@ def short_repr(value: object) -> str:
     """``repr`` of a value read from a manifest, cut short, for a one-line message."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def disk_full(error: BaseException | None) -> OSError | None:
+    """``error`` if it is an ``OSError`` for a full disk, an exhausted quota or a read-only file
+    system (``DISK_FULL``), else None. pyarrow's write errors are such ``OSError``s too."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
+        return error
+    return None

@@ -7,9 +7,11 @@ import importlib
 import importlib.util
 import inspect
 import json
+import sys
+import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable
 
 from precache.cache.fingerprint import fingerprint, op_fingerprint
@@ -113,11 +115,77 @@ def _parse_value(pair: str, text: str, default: Any) -> Any:
             return kind(text)
         if kind is str or default is None:
             return text
+        if isinstance(default, PurePath):
+            return kind(text)
+        if isinstance(default, (tuple, list)):
+            return _parse_sequence(text, default)
         return kind(json.loads(text))
     except (ValueError, TypeError, json.JSONDecodeError):
-        raise PipelineError(
-            f"--set '{pair}': expected a value of type {kind.__name__} (default {default!r})"
-        ) from None
+        raise PipelineError(f"--set '{pair}': {_expected(pair, default)}") from None
+
+
+def _parse_sequence(text: str, default: tuple | list) -> tuple | list:
+    """``0.5,0.6,0.7``, ``(0.5,0.6,0.7)`` or JSON ``[0.5, 0.6, 0.7]``; each item typed like
+    the default's items when they all share one of bool, int, float, str."""
+    if text.startswith("(") and text.endswith(")"):  # Python's tuple syntax, also accepted
+        text = text[1:-1].strip().rstrip(",")
+    if text.startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError
+    else:
+        items = [part.strip() for part in text.split(",")] if text else []
+    item_kinds = {type(item) for item in default}
+    if len(item_kinds) == 1 and next(iter(item_kinds)) in (bool, int, float, str):
+        sample = default[0]
+        items = [_parse_item(item, sample) for item in items]
+    elif not text.startswith("["):
+        items = [_json_or_text(item) for item in items]
+    return type(default)(items)
+
+
+def _parse_item(item: Any, sample: Any) -> Any:
+    kind = type(sample)
+    if isinstance(item, str):
+        if kind is str:
+            return item
+        if kind is bool:
+            lowered = item.lower()
+            if lowered in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return lowered in ("1", "true", "yes", "on")
+            raise ValueError
+        return kind(item)
+    if kind is float and type(item) in (int, float):
+        return float(item)
+    if type(item) is not kind:
+        raise ValueError
+    return item
+
+
+def _json_or_text(item: str) -> Any:
+    try:
+        return json.loads(item)
+    except json.JSONDecodeError:
+        return item
+
+
+def _expected(pair: str, default: Any) -> str:
+    """What a ``--set`` value of this parameter looks like, with an example that works."""
+    key = pair.partition("=")[0].strip()
+    kind = type(default)
+    if kind is bool:
+        return f"expected true or false (also yes/no, on/off, 1/0), e.g. --set {key}=true"
+    if isinstance(default, (tuple, list)):
+        kinds = {type(item).__name__ for item in default}
+        of = f" of {kinds.pop()}" if len(kinds) == 1 else ""
+        example = ",".join(str(item) for item in default) or "a,b"
+        return (f"expected a {kind.__name__}{of} as comma-separated items, e.g. "
+                f"--set {key}={example} (or JSON: --set '{key}={json.dumps(list(default))}'); "
+                f"default {default!r}")
+    if kind is dict:
+        return (f"expected a JSON object, e.g. --set '{key}={json.dumps(default)}' "
+                f"(default {default!r})")
+    return f"expected a value of type {kind.__name__} (default {default!r})"
 
 
 def available_pipelines() -> dict[str, str]:
@@ -135,10 +203,68 @@ def _load_file(path: Path) -> Any:
     if spec is None or spec.loader is None:
         raise PipelineError(f"cannot load pipeline file '{path}'")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the user's code: one line naming where, not a traceback
+        raise _load_error(f"pipeline file '{path}'", error, path) from None
     if not hasattr(module, "pipeline"):
         raise PipelineError(f"pipeline file '{path}' defines no variable named 'pipeline'")
     return module.pipeline
+
+
+def _load_error(what: str, error: Exception, path: Path | None, *,
+                is_file: bool = True) -> PipelineError:
+    """One line for a pipeline whose code fails to load: the file and line, the error, the fix.
+
+    ``what`` names the pipeline (``pipeline file 'x.py'``, ``is_file``; or ``pipeline
+    'mod:attr'``); ``path`` is its file, whose own line is named when the error comes from deeper
+    (a module it imports, a library it calls); without it, the innermost line of the traceback
+    that is not Python's own."""
+    if isinstance(error, SyntaxError):  # where the parser stopped, in whichever file
+        filename, line = error.filename, error.lineno
+    else:
+        frames = [f for f in traceback.extract_tb(error.__traceback__)
+                  if not f.filename.startswith("<")]
+        own = [f for f in frames if path is not None and Path(f.filename) == path]
+        frame = (own or frames or [None])[-1]
+        filename, line = (frame.filename, frame.lineno) if frame is not None else (None, None)
+    if filename is None:
+        where = what
+    elif is_file and path is not None and Path(filename) == path:
+        where = f"{what}, line {line}"
+    else:
+        where = f"{what}: {filename}, line {line}"
+    if isinstance(error, ModuleNotFoundError) and error.name:
+        top = error.name.partition(".")[0]
+        if is_file and path is not None and ((path.parent / f"{top}.py").is_file()
+                                             or (path.parent / top / "__init__.py").is_file()):
+            fix = (f"'{top}' is beside the pipeline file, but a pipeline file is loaded without "
+                   f"its folder on the import path: add {path.parent} to PYTHONPATH")
+        elif top != error.name and _installed(top):
+            fix = f"'{top}' is installed but has no module '{error.name}': fix the import"
+        else:
+            fix = (f"install the package that provides '{top}' into this Python "
+                   f"({sys.executable}), or fix the import")
+        return PipelineError(f"{where}: no module named '{error.name}'; {fix}")
+    detail = error.msg if isinstance(error, SyntaxError) else str(error).strip()
+    detail = detail.splitlines()[0] if detail else ""
+    return PipelineError(f"{where}: {type(error).__name__}" + (f": {detail}" if detail else "")
+                         + "; fix the code there and re-run")
+
+
+def _module_file(name: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def load_pipeline(ref: str) -> Pipeline:
@@ -158,8 +284,18 @@ def load_pipeline(ref: str) -> Pipeline:
     elif ":" in ref:
         module_name, _, attr = ref.partition(":")
         try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise PipelineError(f"cannot import pipeline '{ref}': {e}") from None
+            raise _load_error(f"pipeline '{ref}'", e, _module_file(module_name),
+                              is_file=False) from None  # a module it imports is missing
+        except Exception as e:  # its code fails: one line naming the file and line
+            raise _load_error(f"pipeline '{ref}'", e, _module_file(module_name),
+                              is_file=False) from None
+        try:
+            obj = getattr(module, attr)
+        except AttributeError as e:
             raise PipelineError(f"cannot import pipeline '{ref}': {e}") from None
         resolved = ref
     else:

@@ -380,7 +380,14 @@ class WriteTransaction:
             layout.store.write_bytes(generation_path(old.generation),
                                      layout.store.read_bytes("manifest.json"))
         layout.store.write_bytes(generation_path(generation), data)  # kept for its readers
-        layout.store.write_bytes("manifest.json", data)  # last: now it is the cache
+        try:
+            layout.store.write_bytes("manifest.json", data)  # last: now it is the cache
+        except BaseException:  # not published: no copy of it may look kept (or be opened)
+            try:
+                layout.store.delete(generation_path(generation))
+            except OSError:
+                pass  # the next run numbers past it
+            raise
         if layout.url is None:
             fsync_dir(layout.root)  # the manifest's rename, too, survives a power cut
         self._clean_up(manifest)

@@ -32,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def doctor_command(args: argparse.Namespace) -> int:
-    from precache.training.doctor import TimelineError, diagnose, load_timeline, table
+    from precache.training.doctor import (PHASES, TimelineError, diagnose, load_timeline, table,
+                                          timed)
 
     try:
         config, epochs, steps = load_timeline(args.run)
@@ -48,7 +49,10 @@ def doctor_command(args: argparse.Namespace) -> int:
         return 2
     findings = diagnose(config, chosen)
     if args.json:
-        print(json.dumps({"epoch": chosen.get("epoch"), "timeline": chosen["timeline"],
+        timeline = dict(chosen["timeline"])
+        if not timed(timeline):  # unknown, not 0: no batch was timed in detail
+            timeline.update({p: None for p in PHASES if p != "data_wait"})
+        print(json.dumps({"epoch": chosen.get("epoch"), "timeline": timeline,
                           "config": config, "sampled_steps": len(steps),
                           "findings": [f.to_json() for f in findings]}))
         return 0

@@ -13,11 +13,18 @@ bare file name. An input the file does not list is an error row naming the file:
 default. With a metadata file the rows also get ``original`` (``""`` where none is given), the
 source video of a fake, which pairs fakes with their real video. The file's hash joins the
 pipeline fingerprint, so editing it recomputes the cache.
+
+The file is read when the op is built, so a bad one stops the run before any work, in one line:
+it must be UTF-8 (a leading byte-order mark, as Excel's "CSV UTF-8" writes, is fine; another
+encoding is named by the offset and line of its first bad byte), and a CSV may list a file twice
+only with the same label and original (two different rows: both line numbers are named).
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import json
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -36,18 +43,41 @@ class LabelMissing(LookupError):
     """The metadata file has no entry for an input."""
 
 
+def _read_text(path: Path) -> str:
+    """The file as text: UTF-8, with or without the byte-order mark Excel writes.
+
+    Raises:
+        ValueError: it is not UTF-8; names the first bad byte's offset and line, and the fix.
+    """
+    data = path.read_bytes()
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as error:
+        offset = skip + error.start  # in the file, BOM included
+        line = data.count(b"\n", 0, offset) + 1
+        raise ValueError(
+            f"labels file '{path}' is not UTF-8: the byte {data[offset]:#04x} at offset "
+            f"{offset} (line {line}) is not valid UTF-8 ({error.reason}); save the file as "
+            "UTF-8 (in Excel: Save As 'CSV UTF-8') and re-run") from None
+
+
 def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
     """File name or key -> {"label": ..., "original": ...} from a CSV or DFDC-style JSON file.
 
+    The file is UTF-8; a leading byte-order mark (Excel's "CSV UTF-8") is ignored. A CSV may
+    list a file twice only with the same label and original.
+
     Raises:
-        ValueError: the file is neither, or lacks the needed columns (says which).
+        ValueError: the file is neither, is not UTF-8, lacks the needed columns, or gives one file
+            two labels (says which lines).
         OSError: it cannot be read.
     """
     path = Path(path)
     entries: dict[str, dict[str, str]] = {}
     if path.suffix.lower() == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_read_text(path))
         except json.JSONDecodeError as error:
             raise ValueError(f"labels file '{path}' is not valid JSON: {error}") from None
         if not isinstance(data, dict):
@@ -62,16 +92,26 @@ def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
     if path.suffix.lower() != ".csv":
         raise ValueError(f"labels file '{path}' must end in .csv or .json (or give labels=folder "
                          "or labels=none)")
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        fields = reader.fieldnames or []
-        name_field = next((c for c in _FILE_COLUMNS if c in fields), None)
-        if name_field is None or "label" not in fields:
-            raise ValueError(f"labels file '{path}' needs a header with a file column "
-                             f"({'/'.join(_FILE_COLUMNS)}) and 'label'; it has {fields}")
-        for row in reader:
-            entries[row[name_field].strip()] = {"label": (row["label"] or "").strip(),
-                                                "original": (row.get("original") or "").strip()}
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    fields = reader.fieldnames or []
+    name_field = next((c for c in _FILE_COLUMNS if c in fields), None)
+    if name_field is None or "label" not in fields:
+        raise ValueError(f"labels file '{path}' needs a header with a file column "
+                         f"({'/'.join(_FILE_COLUMNS)}) and 'label'; it has {fields}")
+    lines: dict[str, int] = {}
+    for row in reader:
+        name = (row[name_field] or "").strip()
+        entry = {"label": (row["label"] or "").strip(),
+                 "original": (row.get("original") or "").strip()}
+        if name in entries and entries[name] != entry:
+            first, then = entries[name], entry
+            what = "label" if first["label"] != then["label"] else "original"
+            raise ValueError(
+                f"labels file '{path}' lists '{name}' twice with different {what}s: line "
+                f"{lines[name]} says {first[what]!r}, line {reader.line_num} says {then[what]!r}; "
+                "keep one row per file and re-run")
+        entries.setdefault(name, entry)
+        lines.setdefault(name, reader.line_num)
     return entries
 
 
@@ -92,6 +132,12 @@ class Labels(Op):
             raise ValueError(f"labels file '{self.labels}' does not exist; give labels=folder, "
                              "labels=none or the path of a .csv or DFDC-style .json file")
         self.entries: dict[str, dict[str, str]] | None = None
+        if self.file is not None:  # read now: a bad file is one line before any work starts
+            try:
+                self.entries = read_label_file(self.file)
+            except OSError as error:
+                raise ValueError(f"labels file '{self.labels}' cannot be read: "
+                                 f"{error.strerror or error}") from None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -102,7 +148,7 @@ class Labels(Op):
         return [self.file] if self.file is not None else []
 
     def setup(self) -> None:
-        if self.file is not None:
+        if self.file is not None and self.entries is None:
             self.entries = read_label_file(self.file)
 
     def __call__(self, sample: Sample) -> Sample:

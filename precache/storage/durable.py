@@ -33,9 +33,13 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
 
     ``fsync`` also makes it survive a power cut, not only a crash of the process."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: leave no half-written temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise

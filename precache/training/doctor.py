@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline"]
+__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline", "table", "timed"]
 
 DATA_WAIT_HIGH = 0.2  # share of step time waiting for the loader
 H2D_HIGH = 0.1  # share in host-to-device copies (CUDA)
@@ -80,11 +80,40 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
+def timed(timeline: dict[str, Any]) -> bool:
+    """Whether the epoch timed any batch in detail: with 0 sampled batches the shares of h2d,
+    forward, backward, optimizer (and so other) are unknown, not 0. Records from before the
+    ``sampled`` count are taken as timed."""
+    return timeline.get("sampled") != 0
+
+
+NOT_TIMED_ADVICE = ("time some batches: lower --timeline-every (about one batch in that many "
+                    "is timed; the trainers' default is 10) or train more batches per epoch, "
+                    "then run doctor again")
+
+
 def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
-    """The rules that fire for one epoch record (its ``timeline``) under the run's ``config``."""
+    """The rules that fire for one epoch record (its ``timeline``) under the run's ``config``.
+
+    When the epoch timed no batch in detail, only the data wait (measured on every batch) is
+    judged; the first finding, ``not-timed``, says the other phases are unknown."""
     t = epoch["timeline"]
     found: list[Finding] = []
-    device = config.get("device", "cpu")
+    if not timed(t):
+        found.append(Finding(
+            "not-timed", f"not timed: 0 sampled batches of {t.get('batches', 0)}, so the h2d, "
+            "forward, backward and optimizer shares are unknown (only the data wait is measured "
+            "on every batch)", NOT_TIMED_ADVICE))
+        found.extend(_data_wait_rules(config, epoch))
+        return found
+    found.extend(_data_wait_rules(config, epoch))
+    found.extend(_timed_rules(config, epoch))
+    return found
+
+
+def _data_wait_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
+    t = epoch["timeline"]
+    found: list[Finding] = []
     world = int(config.get("world_size") or epoch.get("world_size") or 1)
     workers = config.get("workers")
     cpus = config.get("cpus")
@@ -116,6 +145,14 @@ def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
                                  "the loader reads as fast as it can here: warm the page cache "
                                  "(CachedDataset warms shards it reads), use faster storage or a "
                                  "local disk cache, or store smaller samples (JPEG crops)"))
+    return found
+
+
+def _timed_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
+    """Rules on the phases timed on sampled batches only."""
+    t = epoch["timeline"]
+    found: list[Finding] = []
+    device = config.get("device", "cpu")
 
     h2d = t.get("h2d", 0.0)
     if device == "cuda" and h2d > H2D_HIGH:
@@ -158,11 +195,22 @@ def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
 
 
 def table(epochs: list[dict[str, Any]]) -> list[str]:
-    """Lines of a table: one row per epoch, the share of each phase and seconds per batch."""
+    """Lines of a table: one row per epoch, the share of each phase and seconds per batch.
+
+    An epoch that timed no batch in detail shows ``-`` for the phases timed on sampled batches
+    (and ``other``, the rest), and a line under the table says why."""
     head = f"{'epoch':>5} {'s/batch':>9} " + " ".join(f"{p:>9}" for p in PHASES)
     rows = [head]
+    untimed = []
     for record in epochs:
         t = record["timeline"]
+        known = timed(t)
+        if not known:
+            untimed.append(str(record.get("epoch", "?")))
         rows.append(f"{record.get('epoch', '?'):>5} {t.get('step_s', 0.0):>9.4f} "
-                    + " ".join(f"{_pct(t.get(p, 0.0)):>9}" for p in PHASES))
+                    + " ".join(f"{_pct(t.get(p, 0.0)) if known or p == 'data_wait' else '-':>9}"
+                               for p in PHASES))
+    if untimed:
+        rows.append(f"-: not timed: 0 sampled batches in epoch{'s' if len(untimed) > 1 else ''} "
+                    f"{', '.join(untimed)} (about one batch in --timeline-every is timed)")
     return rows

@@ -198,14 +198,14 @@ def test_a_run_that_dies_before_its_manifest_leaves_the_old_cache_whole(
         quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
     monkeypatch.undo()
     assert (tmp_path / "c" / "errors-00002.parquet").exists()  # written, not yet the cache's
+    assert not (tmp_path / "c" / "generations" / "manifest-00002.json").exists()  # unpublished
     assert verify(tmp_path / "c") == []  # generation 1's tables are untouched
     assert {r["key"] for r in Cache(tmp_path / "c").read_errors().to_pylist()} == set(expected)
 
     summary = quiet_run(tmp_path / "in", tmp_path / "c", pipeline="images", workers=1)
-    # generation 3: the unpublished 2's files are never written over (names are not reused)
-    assert summary.failed == 4 and summary.errors_table == "errors-00003.parquet"
+    assert summary.failed == 4 and summary.errors_table == "errors-00002.parquet"
     tables = sorted(p.name for p in (tmp_path / "c").glob("*.parquet"))
-    assert tables == ["errors-00003.parquet", "index-00003.parquet"]  # 1's and 2's are gone
+    assert tables == ["errors-00002.parquet", "index-00002.parquet"]  # generation 1's are gone
     assert verify(tmp_path / "c") == []
 
 

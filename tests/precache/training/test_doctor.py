@@ -113,3 +113,35 @@ def test_the_command_prints_the_phases_and_suggestions(loader_bound, tmp_path):
                                       "no such file; give a run's metrics.jsonl or its folder")
     wrong_epoch = precache_cli("doctor", str(loader_bound), "--epoch", "7")
     assert wrong_epoch.returncode == 2 and "no timeline for epoch 7" in wrong_epoch.stderr
+
+
+def test_an_epoch_with_no_timed_batch_says_not_timed_instead_of_0_percent(tmp_path):
+    """With --timeline-every larger than the epoch, no batch is timed in detail: the table shows
+    "-" for the phases it did not time and says why, and no rule concludes from their zeros."""
+    summary, steps = train(delay=0.0, width=8, every=10_000, batches=4)
+    assert summary["sampled"] == 0 and steps == []  # a real epoch that timed no batch
+    config = {"device": "cuda", "world_size": 1, "workers": 0, "cpus": 4, "batch_size": 4,
+              "precision": "fp32", "compile": False, "pin_memory": False, "input": "images",
+              "channels_last": False}
+    run = write_run(tmp_path / "metrics.jsonl", config, summary, steps)
+    _, epochs, _ = load_timeline(run)
+    found = diagnose(config, epochs[-1])
+    assert rules(found)[0] == "not-timed"
+    assert not {"pin-memory", "smaller-transfers", "mixed-precision", "compile", "channels-last",
+                "fewer-optimizer-steps"} & set(rules(found))
+    assert found[0].evidence.startswith("not timed: 0 sampled batches of 4")
+    assert "--timeline-every" in found[0].advice
+
+    done = precache_cli("doctor", str(run))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    row = lines[1].split()  # epoch, s/batch, data_wait, h2d, forward, backward, optimizer, other
+    assert row[2].endswith("%") and row[3:] == ["-"] * 5  # data wait measured, the rest unknown
+    assert lines[2] == ("-: not timed: 0 sampled batches in epoch 0 (about one batch in "
+                        "--timeline-every is timed)")
+    assert "1. time some batches: lower --timeline-every" in done.stdout
+    assert "no rule fired" not in done.stdout and "largest share" not in done.stdout
+
+    as_json = json.loads(precache_cli("doctor", str(run), "--json").stdout)
+    assert as_json["timeline"]["forward"] is None and as_json["timeline"]["data_wait"] >= 0
+    assert as_json["findings"][0]["rule"] == "not-timed"
