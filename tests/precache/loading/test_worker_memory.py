@@ -87,7 +87,8 @@ class ShardsOpenedFirst(CachedDataset):
     in-order epoch would otherwise add batch by batch; what is measured here is per row."""
 
     def __getitems__(self, indices):
-        if not self._readers:
+        if getattr(self, "_all_opened_by", None) != os.getpid():  # once in each process (the
+            self._all_opened_by = os.getpid()  # parent's open reader must not stop the worker)
             for shard in range(len(self._cache.manifest.shards)):
                 self._reader(shard).mapped()
         return super().__getitems__(indices)
