@@ -3,25 +3,33 @@
     precache run video-faces --input data/videos --output data/video_cache --set size=128
     precache run video-faces -i dfdc/ -o cache/ --set labels=dfdc/metadata.json --set image_codec=jpeg
     precache run video-faces -i clips/ -o cache/ --set fps=2 --set keep=all --set track_box=smooth
+    precache run video-faces -i lectures/ -o cache/ --set every=1 --set max_frames=2000
 
 Inputs: ``.mp4 .avi .mov .mkv .webm`` (decoded with PyAV, no system FFmpeg). Ops: label ->
 decode the sampled frames (``frames`` evenly spaced in time, or ``every`` k-th frame, or ``fps``
-per second) -> MTCNN on every ``detect_every``-th sampled frame, batched -> IoU tracks (``keep``
-the largest or all) -> square crop with a 30% margin -> MediaPipe face mesh (IMAGE mode, per
-frame) -> region hulls -> the crop stored ``raw``, ``jpeg`` or ``webp``.
+per second, at most ``max_frames`` of them) -> MTCNN on every ``detect_every``-th sampled frame,
+O-Net between -> IoU tracks (``keep`` the largest or all) -> square crop with a 30% margin ->
+MediaPipe face mesh (IMAGE mode, per frame) -> region hulls -> the crop stored ``raw``,
+``jpeg`` or ``webp``.
 
 Rows: one per (video, track, sampled frame), key ``<video>#t<track>#f<frame index>``. Columns:
 those of ``faces`` (``image``, ``box`` and ``landmarks5`` and ``crop_affine``, ``mesh``,
 ``regions``, ...), plus ``video``, ``track``, ``frame_index``, ``time_s``, ``detected``,
 ``fps``, ``duration_s``, ``frame_count``, ``warning`` (see ``precache.ops.video_faces``), and
 ``label`` (``original`` too with a metadata file). Stage 2: ``precache.loading.clips``.
+
+Memory: a video is decoded, detected, tracked and cropped as a stream, so a worker holds
+``detect_every`` + 3 full frames and the crops, however long the video. ``every``/``fps``
+sampling keeps the first ``max_frames`` (512) sampled frames of a video and stops decoding
+there, with a ``warning`` on its rows ("sampled 512 of about 15,000 frames (every=1):
+max_frames=512 kept the first 20.5 s of 600.0 s; ..."); ``max_frames=0`` lifts the cap.
 """
 
 from __future__ import annotations
 
 from precache.ops import VIDEO_EXTENSIONS, EncodeImage, Labels, Op
 from precache.ops.face_mesh import FaceMesh, FaceRegions
-from precache.ops.video_faces import VideoFaces
+from precache.ops.video_faces import MAX_FRAMES, VideoFaces
 from precache.pipeline import Pipeline
 
 
@@ -29,6 +37,7 @@ def make_ops(
     frames: int = 32,
     every: int = 0,
     fps: float = 0.0,
+    max_frames: int = MAX_FRAMES,
     detect_every: int = 8,
     keep: str = "largest",
     track_box: str = "frame",
@@ -43,13 +52,15 @@ def make_ops(
     image_codec: str = "raw",
     quality: int = 95,
 ) -> list[Op]:
-    """Label, sample ``frames`` (or ``every`` k-th frame, or ``fps`` per second), detect every
+    """Label, sample ``frames`` (or ``every`` k-th frame, or ``fps`` per second, then at most
+    ``max_frames`` per video: the first ones, with a warning; 0: no cap), detect every
     ``detect_every`` sampled frames, track (``keep`` largest or all; ``track_box`` frame,
     smooth or union), crop ``size`` px with ``margin``, mesh, regions, store as ``image_codec``.
     A video that takes over ``decode_timeout_s`` to decode fails alone."""
     return [
         Labels(labels=labels),
-        VideoFaces(frames=frames, every=every, fps=fps, detect_every=detect_every, keep=keep,
+        VideoFaces(frames=frames, every=every, fps=fps, max_frames=max_frames,
+                   detect_every=detect_every, keep=keep,
                    track_box=track_box, min_face=min_face, thresholds=thresholds,
                    detect_size=detect_size, size=size, margin=margin,
                    decode_timeout_s=decode_timeout_s),

@@ -15,6 +15,11 @@ at least ``min_iou``); two tracks that converge on one face become one.
 Box modes: ``frame`` (each frame's box), ``smooth`` (a centred moving average over 5 frames, so
 crops jitter less) or ``union`` (one box per track, the union of its boxes: the crop stays still
 and the face moves in it).
+
+A video can be tracked as a stream (``Tracker``, ``TrackRows``): a face is only ever followed
+back to the frame after the last full detection, so once a full detection has run on a frame,
+nothing at or before it changes, and only the frames since need to be kept (``detect_every`` of
+them, plus the two a ``smooth`` row waits for); ``track_faces`` is the same over a whole list.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Detection", "Track", "track_faces", "iou", "BOX_MODES"]
+__all__ = ["Detection", "Track", "TrackRows", "Tracker", "track_faces", "iou", "BOX_MODES"]
 
 BOX_MODES = ("frame", "smooth", "union")
 
@@ -64,31 +69,77 @@ class Track:
     def frames(self, mode: str = "frame") -> list[tuple[int, np.ndarray, float, np.ndarray, bool]]:
         """``(frame, box, score, landmarks, detected)`` for every sampled frame from the first
         detection to the last; frames between detections interpolated."""
+        return TrackRows(self, mode).extend(self.last, ended=True)
+
+
+Row = tuple[int, np.ndarray, float, np.ndarray, bool]
+"""``(frame, box, score, landmarks, detected)``: one sampled frame of a track."""
+
+
+class TrackRows:
+    """``Track.frames`` made as the track grows, for a video read as a stream: ``extend(upto)``
+    returns the rows that became final once the track's detections up to frame ``upto`` are
+    (``Tracker.step`` says when: at each full detection, everything before it is), so a frame
+    can be cropped and dropped while later frames are still to come. The rows are those
+    ``Track.frames`` gives for the whole track, in the same order: ``frame`` rows as soon as
+    their frame is final, ``smooth`` rows once the two after them are (or the track ended),
+    ``union`` rows only when the track ended (their box depends on all of it).
+    """
+
+    def __init__(self, track: Track, mode: str = "frame") -> None:
         if mode not in BOX_MODES:
             raise ValueError(f"box mode must be one of {BOX_MODES}, not {mode!r}")
-        known = sorted(self.detections)
-        rows = []
-        for a, b in zip(known, known[1:] + [None]):
-            da = self.detections[a]
-            rows.append((a, da.box.astype(np.float32), da.score, da.landmarks, da.detected))
-            if b is None:
+        self.track, self.mode = track, mode
+        self.raw: list[Row] = []  # each frame's own box, from the first frame on
+        self.emitted = 0  # rows returned so far
+        self.done = track.first - 1 if track.detections else -1  # raw rows made up to here
+        self.known: int | None = None  # the last frame of raw with a detection
+        self.closed = False
+
+    @property
+    def pending(self) -> int | None:
+        """The first frame whose row is not returned yet (None if none is waiting)."""
+        return self.raw[self.emitted][0] if self.emitted < len(self.raw) else None
+
+    def extend(self, upto: int, ended: bool = False) -> list[Row]:
+        """Rows that are final now that the track's detections up to frame ``upto`` are
+        (``ended``: and it has no more)."""
+        detections = self.track.detections
+        for frame in range(self.done + 1, upto + 1):
+            found = detections.get(frame)
+            if found is None:
                 continue
-            db = self.detections[b]
-            for f in range(a + 1, b):
-                w = (f - a) / (b - a)
-                rows.append((f, ((1 - w) * da.box + w * db.box).astype(np.float32),
-                             min(da.score, db.score),
-                             ((1 - w) * da.landmarks + w * db.landmarks).astype(np.float32), False))
-        if mode == "smooth" and len(rows) > 2:
-            boxes = np.array([r[1] for r in rows])
-            smoothed = np.empty_like(boxes)
-            for i in range(len(rows)):
-                smoothed[i] = boxes[max(0, i - 2): i + 3].mean(axis=0)
-            rows = [(f, smoothed[i], s, p, d) for i, (f, _, s, p, d) in enumerate(rows)]
-        elif mode == "union":
-            boxes = np.array([r[1] for r in rows])
+            a = self.known
+            if a is not None:  # frames between two detections: interpolated
+                da = detections[a]
+                for f in range(a + 1, frame):
+                    w = (f - a) / (frame - a)
+                    self.raw.append((f, ((1 - w) * da.box + w * found.box).astype(np.float32),
+                                     min(da.score, found.score),
+                                     ((1 - w) * da.landmarks + w * found.landmarks
+                                      ).astype(np.float32), False))
+            self.raw.append((frame, found.box.astype(np.float32), found.score, found.landmarks,
+                             found.detected))
+            self.known = frame
+        self.done = max(self.done, upto)
+        self.closed = ended
+        raw, start = self.raw, self.emitted
+        if self.mode == "frame":
+            rows = raw[start:]
+        elif self.mode == "smooth":
+            if ended and len(raw) <= 2:
+                rows = raw[start:]
+            else:
+                stop = len(raw) if ended else max(start, len(raw) - 2)
+                rows = [(f, np.array([r[1] for r in raw[max(0, i - 2): i + 3]]).mean(axis=0),
+                         s, p, d) for i, (f, _, s, p, d) in enumerate(raw[start:stop], start)]
+        else:  # union
+            if not ended or not raw:
+                return []
+            boxes = np.array([r[1] for r in raw])
             union = np.concatenate([boxes[:, :2].min(axis=0), boxes[:, 2:].max(axis=0)])
-            rows = [(f, union.astype(np.float32), s, p, d) for f, _, s, p, d in rows]
+            rows = [(f, union.astype(np.float32), s, p, d) for f, _, s, p, d in raw]
+        self.emitted += len(rows)
         return rows
 
 
@@ -153,25 +204,37 @@ def _met(track: Track, others: list[Track]) -> Track | None:
     return None
 
 
-def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refine,
-                detect: Callable[[int], list[Detection]], *, min_iou: float = 0.3,
-                min_score: float = 0.7) -> list[Track]:
-    """Tracks over ``count`` sampled frames from full ``detections`` on some frames (frame ->
-    faces) and ``refine`` on the others, numbered in order of first appearance. Where O-Net
-    loses a face between two full detections (it left, or moved too far from its last box, as
-    when sampled frames are seconds apart), ``detect(frame)`` runs the full cascade there."""
-    detections = dict(detections)
-    tracks: list[Track] = []
-    active: list[Track] = []
-    lost: list[Track] = []  # ended since the last full detection: a detection may revive them
-    previous_round = -1
-    for frame in range(count):
-        if frame not in detections and active:
-            found = refine(frame, np.array([t.detections[t.last].box for t in active]))
+class Tracker:
+    """``track_faces`` one sampled frame at a time, for a video read as a stream.
+
+    ``step(frame, found)`` takes the frames in order from 0, with the full detections of a
+    frame where the cascade ran (``found``; None on the frames between, where O-Net follows the
+    faces). ``refine`` and ``detect`` are called on the frame being stepped and, to follow a new
+    face back to where it appeared, on the frames after the last full detection: only those
+    frames need to be at hand. ``step`` returns True where a full detection happened (given, or
+    run here because O-Net lost a face): from then on no detection at or before that frame
+    changes, so their rows can be made (``TrackRows``) and the frames dropped. ``active`` are
+    the tracks that may still grow; a track not among them after such a step has ended.
+    ``finish()`` numbers the tracks and returns them.
+    """
+
+    def __init__(self, refine: Refine, detect: Callable[[int], list[Detection]], *,
+                 min_iou: float = 0.3, min_score: float = 0.7) -> None:
+        self.refine, self.detect = refine, detect
+        self.min_iou, self.min_score = min_iou, min_score
+        self.tracks: list[Track] = []
+        self.active: list[Track] = []
+        self.lost: list[Track] = []  # ended since the last full detection: one may revive them
+        self.previous_round = -1
+
+    def step(self, frame: int, found: list[Detection] | None = None) -> bool:
+        refine, min_score = self.refine, self.min_score
+        if found is None and self.active:
+            faces = refine(frame, np.array([t.detections[t.last].box for t in self.active]))
             kept: list[tuple[Track, Detection]] = []
             dropped: list[Track] = []
             vanished = False
-            for track, face in sorted(zip(active, found), key=lambda pair: -pair[1].score):
+            for track, face in sorted(zip(self.active, faces), key=lambda pair: -pair[1].score):
                 duplicate = any(iou(face.box, k.box)[0, 0] > 0.5 for _, k in kept)
                 if (face.score >= min_score and not duplicate
                         and _plausible(face.box, track.detections[track.last].box)):
@@ -182,35 +245,54 @@ def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refi
             if not vanished:
                 for track, face in kept:
                     track.detections[frame] = face
-                active = [track for track, _ in kept]
-                lost.extend(dropped)
+                self.active = [track for track, _ in kept]
+                self.lost.extend(dropped)
+                return False
+            found = self.detect(frame)  # a face O-Net lost: the full cascade, here
+        if found is None:
+            return False
+        candidates = self.active + self.lost
+        matches, new = _link(candidates, found, self.min_iou)
+        self.active = []
+        for i, j in sorted(matches.items()):
+            track = candidates[i]
+            gap_start = track.last + 1
+            track.detections[frame] = found[j]
+            if gap_start < frame:  # lost for a while: fill what O-Net finds, backwards
+                _follow(track, range(frame - 1, gap_start - 1, -1), refine, min_score)
+            self.active.append(track)
+        for j in new:
+            track = Track(-1, {frame: found[j]})
+            _follow(track, range(frame - 1, self.previous_round, -1), refine, min_score)
+            same = _met(track, self.lost)
+            if same is not None:  # followed back onto a face O-Net had lost: one track
+                for f, face in track.detections.items():
+                    same.detections.setdefault(f, face)
+                self.lost = [t for t in self.lost if t is not same]
+                self.active.append(same)
                 continue
-            detections[frame] = detect(frame)  # a face O-Net lost: the full cascade, here
-        if frame in detections:
-            candidates = active + lost
-            matches, new = _link(candidates, detections[frame], min_iou)
-            active = []
-            for i, j in sorted(matches.items()):
-                track = candidates[i]
-                gap_start = track.last + 1
-                track.detections[frame] = detections[frame][j]
-                if gap_start < frame:  # lost for a while: fill what O-Net finds, backwards
-                    _follow(track, range(frame - 1, gap_start - 1, -1), refine, min_score)
-                active.append(track)
-            for j in new:
-                track = Track(-1, {frame: detections[frame][j]})
-                _follow(track, range(frame - 1, previous_round, -1), refine, min_score)
-                same = _met(track, lost)
-                if same is not None:  # followed back onto a face O-Net had lost: one track
-                    for f, face in track.detections.items():
-                        same.detections.setdefault(f, face)
-                    lost.remove(same)
-                    active.append(same)
-                    continue
-                tracks.append(track)
-                active.append(track)
-            lost, previous_round = [], frame
-    tracks.sort(key=lambda t: (t.first, float(t.detections[t.first].box[0])))
-    for number, track in enumerate(tracks):
-        track.track_id = number
-    return tracks
+            self.tracks.append(track)
+            self.active.append(track)
+        self.lost, self.previous_round = [], frame
+        return True
+
+    def finish(self) -> list[Track]:
+        """The tracks, numbered in order of first appearance."""
+        tracks = self.tracks
+        tracks.sort(key=lambda t: (t.first, float(t.detections[t.first].box[0])))
+        for number, track in enumerate(tracks):
+            track.track_id = number
+        return tracks
+
+
+def track_faces(count: int, detections: dict[int, list[Detection]], refine: Refine,
+                detect: Callable[[int], list[Detection]], *, min_iou: float = 0.3,
+                min_score: float = 0.7) -> list[Track]:
+    """Tracks over ``count`` sampled frames from full ``detections`` on some frames (frame ->
+    faces) and ``refine`` on the others, numbered in order of first appearance. Where O-Net
+    loses a face between two full detections (it left, or moved too far from its last box, as
+    when sampled frames are seconds apart), ``detect(frame)`` runs the full cascade there."""
+    tracker = Tracker(refine, detect, min_iou=min_iou, min_score=min_score)
+    for frame in range(count):
+        tracker.step(frame, detections.get(frame))
+    return tracker.finish()

@@ -204,7 +204,7 @@ def main() -> None:
         by_key = {k: sampled[folder / k] for k in keys}
         print("\n1. stage 1, sampled frames/s on one core (best of 2)")
         print(f"   naive (cv2 every frame, MTCNN per sampled frame): {best['naive']:8.1f}  1.00x")
-        print(f"   precache detect_every=1 (batched MTCNN)         : {best['dense']:8.1f}  "
+        print(f"   precache detect_every=1 (cascade every frame)   : {best['dense']:8.1f}  "
               f"{best['dense'] / best['naive']:.2f}x  recall {recall(rows['dense'], truth, by_key):.3f}")
         print(f"   precache detect_every={args.detect_every} + tracking             : "
               f"{best['precache']:8.1f}  {best['precache'] / best['naive']:.2f}x  recall "
