@@ -100,19 +100,25 @@ class Pipeline:
             raise PipelineError(f"pipeline '{self.name}': {e}") from None
 
 
+def _parse_scalar(text: str, kind: type) -> Any:
+    """``text`` as a ``kind`` of bool (true/false, yes/no, on/off, 1/0), int, float or str;
+    ``ValueError`` if it is not one."""
+    if kind is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError
+    return kind(text)
+
+
 def _parse_value(pair: str, text: str, default: Any) -> Any:
     text = text.strip()
     kind = type(default)
     try:
-        if kind is bool:
-            lowered = text.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind in (int, float):
-            return kind(text)
+        if kind in (bool, int, float):
+            return _parse_scalar(text, kind)
         if kind is str or default is None:
             return text
         if isinstance(default, PurePath):
@@ -147,14 +153,7 @@ def _parse_sequence(text: str, default: tuple | list) -> tuple | list:
 def _parse_item(item: Any, sample: Any) -> Any:
     kind = type(sample)
     if isinstance(item, str):
-        if kind is str:
-            return item
-        if kind is bool:
-            lowered = item.lower()
-            if lowered in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return lowered in ("1", "true", "yes", "on")
-            raise ValueError
-        return kind(item)
+        return _parse_scalar(item, kind)
     if kind is float and type(item) in (int, float):
         return float(item)
     if type(item) is not kind:

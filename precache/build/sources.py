@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import pyarrow.fs as pafs
 
 from precache.records import RECORD_SUFFIXES, natural_key, read_record, records_of
-from precache.storage import Store, explained, is_remote, is_url, resolve
+from precache.storage import Store, explained, is_remote, is_url, read_remote_bytes, resolve
 
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES",
            "DEFAULT_MAX_INPUT_BYTES", "NotRegularFileError", "InputTooLargeError",
@@ -334,25 +334,6 @@ def _read_local(path: str, max_bytes: int) -> bytes:
     return data
 
 
-def _read_remote(url: str, max_bytes: int) -> bytes:
-    """The bytes of the remote object ``url`` (as ``read_remote_bytes``), at most ``max_bytes``,
-    read in growing chunks so a small object never costs a large allocation."""
-    fs, path = resolve(url)
-    chunks: list[bytes] = []
-    total, chunk = 0, 1 << 20
-    with explained(url), fs.open_input_stream(path) as f:
-        while total <= max_bytes:
-            data = f.read(min(chunk, max_bytes + 1 - total))
-            if not data:
-                break
-            chunks.append(data)
-            total += len(data)
-            chunk = min(chunk * 2, 64 << 20)
-    if total > max_bytes:
-        raise _too_large(None, max_bytes)
-    return b"".join(chunks)
-
-
 def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
     """Read an input's bytes: a file, or one record of a record file (see ``precache.records``).
 
@@ -370,5 +351,8 @@ def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
             raise _too_large(len(record), max_bytes)
         return record
     if is_remote(locator):
-        return _read_remote(locator, max_bytes)
+        data = read_remote_bytes(locator, limit=max_bytes)
+        if len(data) > max_bytes:
+            raise _too_large(None, max_bytes)
+        return data
     return _read_local(locator, max_bytes)

@@ -43,7 +43,7 @@ from precache.storage.locations import explained
 
 __all__ = ["GenerationError", "ReaderLease", "GENERATIONS", "READERS", "DEFAULT_RETENTION_S",
            "LEASE_TTL_S", "generation_path", "kept_generations", "live_leases", "collect",
-           "Collected", "load_generation", "journaled_shards"]
+           "Collected", "load_generation", "journaled_shards", "leased_generations"]
 
 GENERATIONS = "generations"
 READERS = "readers"
@@ -69,6 +69,12 @@ def kept_generations(store: Store) -> list[int]:
     """The generations whose manifests are kept (``generations/``), ascending."""
     found = (_GENERATION_NAME.fullmatch(n) for n in store.list(GENERATIONS))
     return sorted(int(m.group(1)) for m in found if m)
+
+
+def leased_generations(store: Store) -> list[int]:
+    """The generations named by reader lease files, live or stale: a reader may hold them."""
+    found = (_LEASE_NAME.fullmatch(name) for name in store.list(READERS))
+    return [int(m.group(1)) for m in found if m]
 
 
 def load_generation(store: Store, generation: int, current: Manifest) -> Manifest:

@@ -231,7 +231,7 @@ class CacheLayout:
         Raises:
             RunError: one line naming the folder and the fix.
         """
-        for folder in (self.root / name for name in OWNED_FOLDERS):  # the cache itself may be a link
+        for folder in (self.root / name for name in OWNED_FOLDERS):  # (the cache may be a link)
             try:
                 mode = folder.lstat().st_mode
             except FileNotFoundError:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,8 +40,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats import ShardFormat, ShardInfo
-from precache.cache.generations import (DEFAULT_RETENTION_S, READERS, collect,
-                                        generation_path, kept_generations, load_generation)
+from precache.cache.generations import (DEFAULT_RETENTION_S, collect, generation_path,
+                                        kept_generations, leased_generations, load_generation)
 from precache.cache.layout import MARKER, CacheLayout
 from precache.cache.lock import CacheLock
 from precache.cache.manifest import Manifest, ManifestError
@@ -111,8 +110,7 @@ class WriteTransaction:
 
     def __enter__(self) -> WriteTransaction:
         self._check_output()
-        if self.layout.url is None or self.layout.root.exists():
-            self.layout.check_owned_folders()  # before the lock: nothing written or deleted yet
+        self.layout.check_owned_folders()  # before the lock: nothing written or deleted yet
         self._lock.acquire()
         try:
             layout = self.layout
@@ -193,7 +191,7 @@ class WriteTransaction:
         # Generation numbers only grow, --overwrite included: a reader of a replaced generation
         # must never find a new one under its number (it fails with GenerationError instead).
         self._floor = max([layout.marked_generation(), *kept_generations(store),
-                           *_leased_generations(store), old.generation if old is not None else 0])
+                           *leased_generations(store), old.generation if old is not None else 0])
         if self.overwrite:
             layout.mark(generation=self._floor)  # survives the deletes below, and a crash
             store.delete("manifest.json")  # first: from here on it is not a finished cache
@@ -407,12 +405,3 @@ class WriteTransaction:
                      f"{layout.location}` removes them later")
         layout.clear_local(layout.journal)
         layout.clear_local(layout.staging)
-
-
-_LEASED = re.compile(r"gen-([0-9]{5,})-.+\.json")
-
-
-def _leased_generations(store: Any) -> list[int]:
-    """The generations named by reader lease files (live or not): a reader may hold them."""
-    found = (_LEASED.fullmatch(name) for name in store.list(READERS))
-    return [int(m.group(1)) for m in found if m]

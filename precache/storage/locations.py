@@ -185,15 +185,28 @@ def explained(url: str) -> Iterator[None]:
         raise StorageError(f"'{url}': {text}; {_hint(text, url)}") from None
 
 
-def read_remote_bytes(url: str) -> bytes:
-    """The bytes of the remote input ``url`` (a whole object).
+def read_remote_bytes(url: str, limit: int | None = None) -> bytes:
+    """The bytes of the remote input ``url`` (a whole object), or with ``limit`` at most
+    ``limit + 1`` of them (more than ``limit`` says the object is too big), read in growing
+    chunks so a small object never costs a large allocation.
 
     Raises:
         OSError: it cannot be read (``FileNotFoundError``, ``StorageError``), with the reason.
     """
     fs, path = resolve(url)
     with explained(url), fs.open_input_stream(path) as f:
-        return f.read()
+        if limit is None:
+            return f.read()
+        chunks: list[bytes] = []
+        total, chunk = 0, 1 << 20
+        while total <= limit:
+            data = f.read(min(chunk, limit + 1 - total))
+            if not data:
+                break
+            chunks.append(data)
+            total += len(data)
+            chunk = min(chunk * 2, 64 << 20)
+    return b"".join(chunks)
 
 
 def open_input_file(location: str | os.PathLike[str]) -> pa.NativeFile:

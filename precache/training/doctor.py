@@ -104,10 +104,9 @@ def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
             "not-timed", f"not timed: 0 sampled batches of {t.get('batches', 0)}, so the h2d, "
             "forward, backward and optimizer shares are unknown (only the data wait is measured "
             "on every batch)", NOT_TIMED_ADVICE))
-        found.extend(_data_wait_rules(config, epoch))
-        return found
     found.extend(_data_wait_rules(config, epoch))
-    found.extend(_timed_rules(config, epoch))
+    if timed(t):
+        found.extend(_timed_rules(config, epoch))
     return found
 
 

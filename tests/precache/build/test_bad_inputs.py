@@ -25,6 +25,7 @@ from skimage import data as skdata
 import precache
 from precache import Cache
 from precache.build import sources
+from precache.storage import locations
 from precache.build.sources import (InputError, InputTooLargeError, NotRegularFileError,
                                     list_inputs, read_bytes)
 from tests.conftest import precache_cli, write_photos
@@ -162,7 +163,7 @@ def test_remote_reads_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     path = tmp_path / "object.jpg"
     payload = os.urandom(3 * 1024 * 1024 + 5)
     path.write_bytes(payload)
-    monkeypatch.setattr(sources, "resolve", lambda url: (pafs.LocalFileSystem(), str(path)))
+    monkeypatch.setattr(locations, "resolve", lambda url: (pafs.LocalFileSystem(), str(path)))
     assert read_bytes("s3://bucket/object.jpg", 4 * 1024 * 1024) == payload
     assert read_bytes("s3://bucket/object.jpg", len(payload)) == payload
     with pytest.raises(InputTooLargeError, match=r"larger than max_input_bytes \(3 MiB\)"):
