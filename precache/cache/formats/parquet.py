@@ -12,6 +12,15 @@ and no private copy, and every process on a node shares the same pages. The file
 ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets`` finds the runs from the
 footer and each page's header, and maps a column only when the header proves it is that single
 page; columns written otherwise (older caches, other writers) are decoded as before.
+
+**Variable-length columns** (``ragged``, ``bytes``, ``str``) are written the same way (one
+uncompressed PLAIN page), each with an int64 column of where its rows end
+(``precache.cache.formats.variable``), so any row is a slice of the mapped file too. Other tools
+see ordinary columns: ``str`` as strings, ``bytes`` as binary, ``ragged`` as binary holding the
+raw little-endian values at their own width (the footer's ``precache.schema`` entry and the
+manifest give the dtype; ``np.frombuffer(value, "<u2")`` reads a row), and the ``<name>__ends``
+columns beside them. A list of integers would have shown other tools numbers, at 4 bytes per
+uint16 id and with no way to find a row without decoding the page.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows
+from precache.cache.formats.variable import (VARIABLE_KINDS, VariableColumn, ends_column,
+                                             row_ends)
 from precache.cache.schema import ColumnSpec, schema_from_json, schema_to_json
 
 __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
@@ -36,6 +47,7 @@ __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KIND
 MAPPED_KINDS = ("ndarray", "scalar")
 """Column kinds written ready to map (fixed width per row)."""
 
+_ENDS = ColumnSpec("scalar", "int64")
 
 
 class RaggedColumn:
@@ -130,6 +142,42 @@ def mapped_offsets(file: pq.ParquetFile, data: Any,
     return found
 
 
+def variable_runs(file: pq.ParquetFile, data: Any, schema: dict[str, ColumnSpec],
+                  ends: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """``(offset, size)`` in the file of the PLAIN value run of each variable-length column
+    that can be read in place: one row group, required, uncompressed, PLAIN, a single data page
+    of exactly ``ends[name][-1]`` bytes that fills the chunk after its header. ``ends``: the
+    mapped ``<name>__ends`` column of each candidate."""
+    meta = file.metadata
+    if meta.num_row_groups != 1 or meta.num_rows == 0:
+        return {}
+    group, rows, found = meta.row_group(0), meta.num_rows, {}
+    for j in range(meta.num_columns):
+        column = group.column(j)
+        name = column.path_in_schema
+        spec = schema.get(name)
+        if spec is None or spec.kind not in VARIABLE_KINDS or name not in ends:
+            continue
+        leaf = file.schema.column(j)
+        size = int(ends[name][-1])
+        if (leaf.max_definition_level or leaf.max_repetition_level
+                or leaf.physical_type != "BYTE_ARRAY"
+                or column.compression != "UNCOMPRESSED"
+                or column.dictionary_page_offset is not None or column.num_values != rows
+                or not set(column.encodings) <= {"PLAIN", "RLE", "BIT_PACKED"}):
+            continue
+        start, total = column.data_page_offset, column.total_compressed_size
+        if start < 0 or start + total > len(data):
+            continue
+        try:
+            kind, unpacked, packed = _page_sizes(bytes(data[start:start + 32]))
+        except ValueError:
+            continue
+        if kind in (0, 3) and unpacked == packed == size and total > size:
+            found[name] = (start + total - size, size)
+    return found
+
+
 def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
     if spec.kind == "ndarray":
         array = np.ascontiguousarray(values, dtype=spec.dtype)
@@ -137,16 +185,25 @@ def _to_arrow(values: Any, spec: ColumnSpec) -> pa.Array:
         return pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(width), len(array), [None, pa.py_buffer(array)]
         )
-    if spec.kind == "ragged":
-        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        flat = (np.concatenate(values) if len(values) else np.empty(0)).astype(spec.dtype)
-        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
+    if spec.kind == "ragged":  # raw little-endian values at their own width, one binary each
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+        offsets = np.concatenate([[0], np.cumsum(sizes * dtype.itemsize)]).astype(np.int64)
+        flat = np.concatenate(values).astype(dtype) if len(values) else np.empty(0, dtype)
+        return pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
     if spec.kind == "scalar":
         return pa.array(values)
     if spec.kind == "str":
-        return pa.array(values, type=pa.string())
+        return pa.array(values, type=pa.large_string())
     return pa.array(values, type=pa.large_binary())
+
+
+def _value_sizes(array: pa.Array) -> np.ndarray:
+    """Bytes of each value of a (large) binary or string array, from its offsets."""
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64, count=len(array) + 1,
+                            offset=array.offset * 8)
+    return np.diff(offsets)
 
 
 SCHEMA_KEY = b"precache.schema"
@@ -164,8 +221,9 @@ def _stored_as(spec: ColumnSpec) -> Callable[[pa.DataType], bool]:
         return lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
     if spec.kind == "bytes":
         return lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
-    values = pa.from_numpy_dtype(np.dtype(spec.dtype))
-    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and t.value_type == values
+    values = pa.from_numpy_dtype(np.dtype(spec.dtype))  # ragged: raw bytes, or a list before
+    return lambda t: (pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+        (pa.types.is_list(t) or pa.types.is_large_list(t)) and t.value_type == values))
 
 
 def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
@@ -176,6 +234,15 @@ def _from_arrow(array: pa.ChunkedArray, spec: ColumnSpec) -> Any:
         data = np.frombuffer(combined.buffers()[1], dtype=np.uint8,
                              count=len(combined) * width, offset=combined.offset * width)
         return data.view(dtype).reshape(len(combined), *spec.shape)
+    if spec.kind == "ragged" and not (pa.types.is_list(array.type)
+                                      or pa.types.is_large_list(array.type)):
+        combined = array.combine_chunks().cast(pa.large_binary())  # raw values (see write)
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        offsets = np.frombuffer(combined.buffers()[1], dtype=np.int64, count=len(combined) + 1,
+                                offset=combined.offset * 8)
+        values = np.frombuffer(combined.buffers()[2] or b"", dtype=np.uint8)
+        return RaggedColumn(values.view(dtype) if len(values) else np.empty(0, dtype),
+                            offsets // dtype.itemsize)
     if spec.kind == "ragged":
         combined = array.combine_chunks()
         offsets = combined.offsets.to_numpy()  # absolute positions in the (unsliced) child values
@@ -207,6 +274,8 @@ class ParquetShardReader(ShardReader):
         self._decoded: dict[str, Any] = {}
         self._views: dict[str, np.ndarray] | None = None
         self._offsets: dict[str, int] = {}
+        self._variable: dict[str, VariableColumn] = {}
+        self._runs: dict[str, int] = {}  # variable column -> offset of its run in the file
         self._nbytes = 0
 
     def _open(self) -> pq.ParquetFile:
@@ -259,16 +328,35 @@ class ParquetShardReader(ShardReader):
         """The columns that are read from the mapped file, as ``(n, *shape)`` read-only views."""
         if self._views is None:
             file = self._open()
-            self._offsets = mapped_offsets(file, self._map, self.schema)
+            candidates = {ends_column(n): _ENDS for n, spec in self.schema.items()
+                          if spec.kind in VARIABLE_KINDS}
+            offsets = mapped_offsets(file, self._map, {**self.schema, **candidates})
             rows = self._rows = file.metadata.num_rows
+            views = {}
+            for name, offset in offsets.items():
+                spec = self.schema.get(name, _ENDS)
+                views[name] = np.frombuffer(self._map, dtype=np.dtype(spec.dtype),
+                                            count=rows * math.prod(spec.shape),
+                                            offset=offset).reshape(rows, *spec.shape)
+            ends = {n: views.pop(ends_column(n)) for n, spec in self.schema.items()
+                    if ends_column(n) in views and n not in views}
+            runs = variable_runs(file, self._map, self.schema, ends)
             self._file = None  # its parsed footer is private memory; reopened if ever needed
-            self._views = {}
-            for name, offset in self._offsets.items():
-                spec = self.schema[name]
-                self._views[name] = np.frombuffer(self._map, dtype=np.dtype(spec.dtype),
-                                                  count=rows * math.prod(spec.shape),
-                                                  offset=offset).reshape(rows, *spec.shape)
+            self._variable, self._runs = {}, {}
+            for name, (offset, size) in runs.items():
+                run = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=offset)
+                self._variable[name] = VariableColumn(run, ends[name], self.schema[name],
+                                                      f"{self.path}, column {name!r}")
+                self._runs[name] = offset
+            self._offsets = {n: o for n, o in offsets.items() if n in views}
+            self._views = views
         return self._views
+
+    def variable(self) -> dict[str, VariableColumn]:
+        """The variable-length columns read in place from the mapped file (see the module
+        docstring); others of them are decoded by ``read``."""
+        self.mapped()
+        return self._variable
 
     def will_need(self, rows: np.ndarray, columns: Sequence[str]) -> None:
         """Ask the kernel to start reading these rows of the mapped columns into the page cache
@@ -279,14 +367,17 @@ class ParquetShardReader(ShardReader):
         for name in columns:
             if name in self._offsets:
                 advise_rows(self._map, self._offsets[name], _width(self.schema[name]), rows)
+            elif name in self._variable:
+                self._variable[name].will_need(self._map, self._runs[name], rows)
 
     def release_pages(self) -> None:
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
 
     def _columns(self, names: list[str]) -> dict[str, Any]:
-        """The named columns: mapped views, or decoded (once) arrays and lists."""
-        views = self.mapped()
+        """The named columns: mapped views and variable columns, or decoded (once) arrays and
+        lists."""
+        views = {**self.mapped(), **self._variable}
         missing = [n for n in names if n not in views and n not in self._decoded]
         if missing:
             table = self._open().read(columns=missing, use_threads=False)  # see _open
@@ -306,6 +397,9 @@ class ParquetShardReader(ShardReader):
         rows = slice(None) if indices is None else np.asarray(indices, dtype=np.int64)
         out: dict[str, Any] = {}
         for name, values in decoded.items():
+            if isinstance(values, VariableColumn):
+                out[name] = values.rows(np.arange(len(values)) if indices is None else rows)
+                continue
             if isinstance(values, RaggedColumn):
                 out[name] = values.rows(np.arange(len(values)) if indices is None else rows)
                 continue
@@ -324,6 +418,7 @@ class ParquetShardReader(ShardReader):
 
     def close(self) -> None:
         self._decoded, self._nbytes, self._views, self._offsets = {}, 0, None, {}
+        self._variable, self._runs = {}, {}
         self._map = None  # unmapped once no view or Arrow buffer refers to it
         self._file = None
 
@@ -333,27 +428,37 @@ class ParquetFormat(ShardFormat):
     required, uncompressed, PLAIN, no statistics for arrays, one page per column per shard.
 
     pyarrow's defaults (dictionary encoding, statistics, 1 MB pages) also made writes of ~50 KB
-    array values about 8x slower (see DESIGN.md). Strings and ragged columns keep zstd and are
-    decoded when read.
+    array values about 8x slower (see DESIGN.md). Variable-length columns are written the same
+    way, uncompressed, each with its ``<name>__ends`` column, so they are read in place too:
+    token ids barely compress and JPEG bytes not at all, and a compressed page must be
+    decompressed whole to read one row of it.
     """
 
     name = "parquet"
     suffix = ".parquet"
 
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
+        """Raises:
+            ValueError: a column's name is taken by another column's offsets (``<name>__ends``).
+        """
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
-        fields = [pa.field(name, array.type, nullable=schema[name].kind not in MAPPED_KINDS)
-                  for name, array in arrays.items()]
+        for name, spec in schema.items():
+            if spec.kind in VARIABLE_KINDS:
+                if ends_column(name) in schema:
+                    raise ValueError(f"column {ends_column(name)!r} would hide where the rows "
+                                     f"of column {name!r} end; rename it")
+                arrays[ends_column(name)] = pa.array(row_ends(_value_sizes(arrays[name])))
+        fields = [pa.field(name, array.type, nullable=False) for name, array in arrays.items()]
         table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(
             fields, metadata={SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}))
-        packed = [n for n, s in schema.items() if s.kind in ("str", "ragged")]  # these compress
         rows = max(1, len(table))
         pq.write_table(
             table,
             path,
-            compression={n: ("zstd" if n in packed else "none") for n in schema},
-            use_dictionary=[n for n, s in schema.items() if s.kind == "str"],
-            write_statistics=[n for n, s in schema.items() if s.kind in ("scalar", "str")],
+            compression="none",
+            use_dictionary=False,
+            column_encoding="PLAIN",
+            write_statistics=[n for n, s in schema.items() if s.kind == "scalar"],
             row_group_size=rows,
             data_page_size=1 << 62,  # one page per column: its values are one run in the file
             **_ONE_PAGE_ROWS(rows),

@@ -64,6 +64,23 @@ def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(cor
     assert lengths["max"] == 64 and lengths["total"] == sum(rows["length"])
     assert sum(b["rows"] for b in lengths["histogram"]) == 5
     assert "lengths     ids: min" in format_description(describe_cache(corpus / "cache"))
+    import pyarrow.parquet as pq  # the ids take 2 bytes each on disk, and are read in place
+
+    cache = precache.Cache(corpus / "cache")
+    group = pq.ParquetFile(cache.shard_path(0)).metadata.row_group(0)
+    chunk = next(group.column(j) for j in range(group.num_columns)
+                 if group.column(j).path_in_schema == "ids")
+    assert chunk.total_compressed_size <= 2 * sum(rows["length"]) + 4 * 5 + 64  # + page header
+    reader = cache.reader(0)
+    assert "ids" in reader.variable() and reader.read([0])["ids"][0].dtype == np.uint16
+    assert reader.nbytes == 0
+
+
+def test_ids_take_the_narrowest_width_that_holds_the_vocabulary():
+    from precache.ops.text import id_dtype
+
+    assert [id_dtype(n) for n in (2, 256, 257, 30522, 65536, 65537)] == [
+        np.uint8, np.uint8, np.uint16, np.uint16, np.uint16, np.uint32]
 
 
 def test_another_tokenizer_rebuilds_the_cache(corpus, tmp_path):

@@ -1,0 +1,139 @@
+"""Variable-length columns read in place: any row of a ``ragged``, ``bytes`` or ``str`` column
+in O(1) from the memory-mapped shard file.
+
+Stage 1 writes each such column as one uncompressed PLAIN run of values, where every row's bytes
+follow a 4-byte little-endian length (Parquet's PLAIN ``BYTE_ARRAY``), and beside it a fixed-width
+int64 column of where each row ends in that run (``ends_column``). Row ``i`` is then
+``run[ends[i - 1] + 4 : ends[i]]`` (``ends[-1]`` taken as 0): a slice of the page cache, no
+decoding and no private copy, as a fixed-shape column is a view. The offsets are kept apart from
+the values because PLAIN's lengths sit between the rows: finding row ``i`` from them alone means
+walking every row before it. Ragged numbers are stored at their own width as raw little-endian
+bytes (uint16 token ids take 2 bytes; Parquet's smallest integer is 4).
+
+Every row handed out is checked against the length written before it, so a damaged offsets
+column raises instead of serving another row's bytes (a flipped byte in a value is
+``precache verify``'s job: the file's checksum).
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+from precache.cache.formats.base import contiguous_runs
+from precache.cache.schema import ColumnSpec
+
+__all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "PREFIX"]
+
+VARIABLE_KINDS = ("ragged", "bytes", "str")
+"""Column kinds whose rows differ in length."""
+
+PREFIX = 4
+"""Bytes of the length written before each row's value (Parquet PLAIN ``BYTE_ARRAY``)."""
+
+_PREFIX_BYTES = np.arange(PREFIX, dtype=np.int64)
+
+
+def ends_column(name: str) -> str:
+    """The name of the int64 column holding where each row of column ``name`` ends."""
+    return f"{name}__ends"
+
+
+def row_ends(sizes: np.ndarray) -> np.ndarray:
+    """Where each row ends in the PLAIN run, from the rows' value sizes in bytes."""
+    return np.cumsum(np.asarray(sizes, dtype=np.int64) + PREFIX, dtype=np.int64)
+
+
+class VariableColumn:
+    """The rows of one variable-length column of a mapped shard (see the module docstring).
+
+    Args:
+        run: the column's PLAIN run, a uint8 view of the mapped file.
+        ends: where each row ends in ``run`` (an int64 view of the mapped file).
+        spec: the column's spec.
+        where: the file and column, for messages.
+
+    Raises:
+        ValueError: ``ends`` cannot describe this run (not increasing, not ending at the run's
+            end, or not whole values of the column's dtype).
+    """
+
+    def __init__(self, run: np.ndarray, ends: np.ndarray, spec: ColumnSpec, where: str) -> None:
+        self.run, self.ends, self.spec, self.where = run, ends, spec, where
+        sizes = np.diff(ends, prepend=0) - PREFIX
+        itemsize = np.dtype(spec.dtype).itemsize if spec.kind == "ragged" else 1
+        if len(ends) and (ends[-1] != len(run) or sizes.min() < 0
+                          or (itemsize > 1 and (sizes % itemsize).any())):
+            raise ValueError(f"{where}: its offsets column does not describe its values "
+                             f"({len(run)} bytes); the file is damaged")
+        self.typed: np.ndarray | None = None
+        if spec.kind == "ragged":
+            dtype = np.dtype(spec.dtype).newbyteorder("<")
+            if PREFIX % itemsize == 0:  # every row starts at a multiple of itemsize: one view
+                self.typed = run[:len(run) - len(run) % itemsize].view(dtype)
+            self.dtype = dtype
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)``: the rows' bytes in ``run``, each checked against its length.
+
+        Raises:
+            ValueError: a row's written length differs from its offsets (a damaged file).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        stops = self.ends[rows]
+        starts = np.where(rows > 0, self.ends[rows - 1], 0) + PREFIX
+        if len(rows):
+            written = self.run[(starts - PREFIX)[:, None] + _PREFIX_BYTES].view("<u4")[:, 0]
+            bad = np.flatnonzero(written != stops - starts)
+            if len(bad):
+                row = int(rows[bad[0]])
+                raise ValueError(
+                    f"{self.where}: row {row} says it holds {int(written[bad[0]])} bytes, its "
+                    f"offsets say {int(stops[bad[0]] - starts[bad[0]])}; the file is damaged: "
+                    "run `precache verify` on the cache and rebuild it")
+        return starts, stops
+
+    def nbytes(self, rows: np.ndarray) -> int:
+        """Bytes of the rows' values."""
+        rows = np.asarray(rows, dtype=np.int64)
+        before = np.where(rows > 0, self.ends[rows - 1], 0)
+        return int((self.ends[rows] - before).sum()) - PREFIX * len(rows)
+
+    def rows(self, rows: np.ndarray) -> list[Any]:
+        """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
+        starts, stops = self.spans(rows)
+        a, b = starts.tolist(), stops.tolist()
+        if self.spec.kind == "ragged":
+            if self.typed is not None:
+                size, typed = self.dtype.itemsize, self.typed
+                if size == 1:
+                    return [typed[i:j] for i, j in zip(a, b)]
+                return [typed[i // size:j // size] for i, j in zip(a, b)]
+            run, dtype = self.run, self.dtype
+            return [run[i:j].view(dtype) for i, j in zip(a, b)]
+        data = memoryview(self.run)
+        if self.spec.kind == "str":
+            return [str(data[i:j], "utf-8") for i, j in zip(a, b)]
+        return [data[i:j].tobytes() for i, j in zip(a, b)]
+
+    def buffers(self, rows: np.ndarray) -> list[memoryview]:
+        """The rows' bytes as views of the mapped file (for decoders that read a buffer)."""
+        starts, stops = self.spans(rows)
+        data = memoryview(self.run)
+        return [data[i:j] for i, j in zip(starts.tolist(), stops.tolist())]
+
+    def will_need(self, mapping: mmap.mmap, run_offset: int, rows: np.ndarray) -> None:
+        """``madvise(MADV_WILLNEED)`` over the bytes of ``rows`` (their lengths included), one
+        call per run of consecutive rows."""
+        if not len(rows):
+            return
+        ends = self.ends
+        for first, stop in contiguous_runs(np.unique(rows)):
+            begin = run_offset + (int(ends[first - 1]) if first else 0)
+            aligned = begin - begin % mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_WILLNEED, aligned, run_offset + int(ends[stop - 1]) - aligned)

@@ -1,0 +1,218 @@
+"""Variable-length Parquet columns read in place: rows are views of the mapped file, other tools
+still see ordinary columns, older shards keep their decode path, and a damaged file raises
+instead of serving another row's bytes (stage 2 and ``precache verify``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import precache
+from precache.cache.formats.parquet import SCHEMA_KEY, ParquetFormat
+from precache.cache.formats.variable import ends_column
+from precache.cache.schema import ColumnSpec, schema_to_json
+from precache.loading import CachedDataset
+from precache.storage.hashing import file_checksum
+
+SCHEMA = {"ids": ColumnSpec("ragged", "uint16"), "wide": ColumnSpec("ragged", "int64"),
+          "blob": ColumnSpec("bytes"), "key": ColumnSpec("str"),
+          "label": ColumnSpec("scalar", "int64")}
+PIPELINE = str(Path(__file__).parents[2] / "build" / "ragged_pipeline.py")
+
+
+def columns(n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "ids": [rng.integers(0, 65_535, rng.integers(0, 40)).astype(np.uint16) for _ in range(n)],
+        "wide": [rng.integers(-2**40, 2**40, rng.integers(0, 5)) for _ in range(n)],
+        "blob": [rng.bytes(int(rng.integers(0, 30))) for _ in range(n)],
+        "key": [f"row {i} é✓" * (i % 3) for i in range(n)],
+        "label": np.arange(n),
+    }
+
+
+def write_older(path: Path, data: dict, schema: dict) -> None:
+    """A shard the way precache wrote variable-length columns before: ragged as a list of its
+    dtype, strings dictionary-encoded, both zstd (no offsets columns)."""
+    arrays = {
+        "ids": pa.array([v.tolist() for v in data["ids"]], pa.large_list(pa.uint16())),
+        "wide": pa.array([v.tolist() for v in data["wide"]], pa.large_list(pa.int64())),
+        "blob": pa.array(data["blob"], pa.large_binary()),
+        "key": pa.array(data["key"], pa.string()),
+        "label": pa.array(data["label"]),
+    }
+    table = pa.table({n: arrays[n] for n in schema}).replace_schema_metadata(
+        {SCHEMA_KEY: json.dumps(schema_to_json(schema))})
+    pq.write_table(table, path, compression="zstd", use_dictionary=["key"])
+
+
+def check_rows(got: dict, data: dict, rows: list[int]) -> None:
+    for j, i in enumerate(rows):
+        assert got["ids"][j].dtype == np.uint16 and got["wide"][j].dtype == np.int64
+        np.testing.assert_array_equal(got["ids"][j], data["ids"][i])
+        np.testing.assert_array_equal(got["wide"][j], data["wide"][i])
+        assert got["blob"][j] == data["blob"][i] and got["key"][j] == data["key"][i]
+
+
+def test_variable_columns_are_read_in_place_and_other_tools_see_plain_columns(tmp_path):
+    data = columns(300)
+    ParquetFormat().write(tmp_path / "s.parquet", data, SCHEMA)
+    reader = ParquetFormat().open(tmp_path / "s.parquet", SCHEMA)
+    assert reader.mismatch(300) is None
+    assert sorted(reader.variable()) == ["blob", "ids", "key", "wide"]
+    rows = [299, 0, 17, 17, 150, 3]
+    got = reader.read(rows)
+    check_rows(got, data, rows)
+    assert reader.nbytes == 0  # nothing decoded and kept
+    assert not got["ids"][0].flags.owndata and not got["ids"][0].flags.writeable  # the map's
+    everything = reader.read()
+    check_rows(everything, data, list(range(300)))
+    reader.close()
+
+    table = pq.read_table(tmp_path / "s.parquet")  # any Parquet reader: ordinary columns
+    assert table.column("key").to_pylist() == data["key"]
+    assert table.column("blob").to_pylist() == data["blob"]
+    assert [np.frombuffer(v, "<u2").tolist() for v in table.column("ids").to_pylist()] == [
+        v.tolist() for v in data["ids"]]
+    assert json.loads(table.schema.metadata[SCHEMA_KEY])["ids"]["dtype"] == "uint16"
+    sizes = np.array([len(v) * 2 + 4 for v in data["ids"]])
+    np.testing.assert_array_equal(table.column(ends_column("ids")).to_numpy(), np.cumsum(sizes))
+    ids_chunk = pq.ParquetFile(tmp_path / "s.parquet").metadata.row_group(0).column(0)
+    assert ids_chunk.total_compressed_size < sizes.sum() + 64  # 2 bytes an id, not 4
+
+
+def test_older_and_paged_shards_are_decoded_and_read_the_same(tmp_path):
+    data = columns(120, seed=1)
+    write_older(tmp_path / "older.parquet", data, SCHEMA)
+    ParquetFormat().write(tmp_path / "new.parquet", data, SCHEMA)
+    pq.write_table(pq.read_table(tmp_path / "new.parquet"), tmp_path / "paged.parquet",
+                   data_page_size=512)  # pyarrow's defaults: many pages, compressed
+    rows = [119, 5, 5, 0, 64]
+    for name in ("older", "paged"):
+        reader = ParquetFormat().open(tmp_path / f"{name}.parquet", SCHEMA)
+        assert reader.mismatch(120) is None and reader.variable() == {}
+        check_rows(reader.read(rows), data, rows)
+        assert reader.nbytes > 0  # decoded (and kept, under the dataset's budget)
+        reader.close()
+
+
+def test_an_empty_shard_reads_as_empty(tmp_path):
+    ParquetFormat().write(tmp_path / "e.parquet", columns(0), SCHEMA)
+    reader = ParquetFormat().open(tmp_path / "e.parquet", SCHEMA)
+    assert reader.mismatch(0) is None and reader.read()["ids"] == []
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def ends_offset(path: Path, name: str, row: int) -> int:
+    """Where row ``row`` of ``name``'s ends column lies in the file."""
+    meta = pq.ParquetFile(path).metadata
+    group = meta.row_group(0)
+    chunk = next(group.column(j) for j in range(group.num_columns)
+                 if group.column(j).path_in_schema == ends_column(name))
+    return chunk.data_page_offset + chunk.total_compressed_size - 8 * (meta.num_rows - row)
+
+
+def test_a_damaged_offsets_column_raises_instead_of_serving_other_bytes(tmp_path):
+    data = columns(50, seed=2)
+    path = tmp_path / "s.parquet"
+    ParquetFormat().write(path, data, SCHEMA)
+    flip(path, ends_offset(path, "blob", 20))  # row 20 now ends 1 byte off (row 21 starts so)
+    reader = ParquetFormat().open(path, SCHEMA)
+    check_rows(reader.read([3, 40]), data, [3, 40])  # rows away from it still read
+    for row in (20, 21):
+        with pytest.raises(ValueError, match=f"s.parquet, column 'blob'.*row {row} .*damaged"):
+            reader.read([row], ["blob"])
+    flip(path, ends_offset(path, "ids", 7))  # an odd number of bytes for uint16 ids
+    with pytest.raises(ValueError, match="column 'ids'.*offsets column does not describe"):
+        ParquetFormat().open(path, SCHEMA).read([0])
+    flip(path, ends_offset(path, "ids", 7))  # mended
+    flip(path, ends_offset(path, "key", 49) + 2)  # the last end no longer ends the run: not
+    reader = ParquetFormat().open(path, SCHEMA)  # read in place, decoded (rightly) instead
+    assert "key" not in reader.variable() and reader.read([49], ["key"])["key"] == [data["key"][49]]
+
+
+@pytest.fixture(scope="module")
+def ragged_cache(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ragged")
+    (root / "in").mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(60):
+        (root / "in" / f"t{i:02d}.txt").write_bytes(rng.bytes(int(rng.integers(0, 300))))
+    precache.run(PIPELINE, root / "in", root / "cache", workers=1, shard_rows=16,
+                 progress=False, log=lambda *a, **k: None)
+    return root / "cache"
+
+
+def test_the_dataset_reads_variable_columns_in_place_past_any_budget(ragged_cache):
+    everything = precache.Cache(ragged_cache).read_all(["key", "ids"])
+    dataset = CachedDataset(ragged_cache, columns=["key", "ids"], max_decoded_bytes=1)
+    order = list(range(59, -1, -7)) + [3, 3]
+    for _ in range(2):
+        batch = dataset.read_batch(order)
+        assert batch["key"] == [everything["key"][i] for i in order]
+        for got, i in zip(batch["ids"], order):
+            np.testing.assert_array_equal(got, everything["ids"][i])
+    assert len(dataset._readers) == 4 and all(r.nbytes == 0 for r in dataset._readers.values())
+    dataset.close()
+
+
+def as_older_cache(cache: Path, out: Path) -> Path:
+    """A copy of ``cache`` whose shards are written the older way (and its manifest updated)."""
+    import shutil
+
+    shutil.copytree(cache, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    schema = {n: ColumnSpec.from_json(s) for n, s in manifest["schema"].items()}
+    for shard in manifest["shards"]:
+        path = out / shard["path"]
+        table = pq.read_table(path)
+        table = table.select([n for n in schema])
+        arrays = {n: table.column(n).combine_chunks() for n in schema}
+        for n, spec in schema.items():
+            if spec.kind == "ragged":
+                arrays[n] = pa.array([np.frombuffer(v, spec.dtype).tolist()
+                                      for v in arrays[n].to_pylist()],
+                                     pa.large_list(pa.from_numpy_dtype(np.dtype(spec.dtype))))
+        pq.write_table(pa.table(arrays), path, compression="zstd")
+        shard["bytes"], shard["checksum"] = path.stat().st_size, file_checksum(path)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_an_older_cache_is_decoded_under_the_budget_and_reads_the_same(ragged_cache, tmp_path):
+    older = as_older_cache(ragged_cache, tmp_path / "older")
+    assert precache.verify(older) == []
+    everything = precache.Cache(ragged_cache).read_all(["key", "ids"])
+    small = CachedDataset(older, columns=["key", "ids"], max_decoded_bytes=1)
+    order = list(range(59, -1, -3))
+    for _ in range(2):
+        batch = small.read_batch(order)
+        assert batch["key"] == [everything["key"][i] for i in order]
+        for got, i in zip(batch["ids"], order):
+            np.testing.assert_array_equal(got, everything["ids"][i])
+    assert len(small._readers) == 1  # the budget closed the others
+    small.close()
+
+
+def test_verify_finds_a_flipped_byte_in_a_value_and_in_the_offsets(ragged_cache, tmp_path):
+    import shutil
+
+    for name, where in (("value", lambda p: ends_offset(p, "ids", 0) - 9),
+                        ("offsets", lambda p: ends_offset(p, "ids", 5))):
+        cache = tmp_path / name
+        shutil.copytree(ragged_cache, cache)
+        shard = precache.Cache(cache).manifest.shards[1]
+        assert "ids" in precache.Cache(cache).reader(1).variable()
+        flip(cache / shard.path, where(cache / shard.path))
+        problems = precache.verify(cache)
+        assert [p.path for p in problems] == [shard.path] and "checksum" in problems[0].reason
