@@ -20,10 +20,16 @@ examples:
 For each --workers value it prints the samples/s a training loop receives from
 make_loader(CachedDataset(CACHE, columns), batch_size, shuffle=True, num_workers=w), epoch 1
 (worker start, first reads) apart from the later epochs, against two baselines measured in the
-same run: the limit (np.take of the same fixed-shape bytes from a memory-mapped .npy into
-preallocated batches) and a plain DataLoader over one picture file per row (cv2.imread), then
+same run: the limit and a plain DataLoader over one picture file per row (cv2.imread), then
 batch sizes 64/256/1024 at the best workers, worker memory (RSS) per epoch, and a recommended
-num_workers and batch size. Temporary files go to $TMPDIR (about the cache's size, decoded).
+num_workers and batch size.
+
+The limit reads the same bytes from memory-mapped .npy files, every column asked for: np.take of
+each fixed-shape column into preallocated batches; for each variable-length column (ragged,
+bytes, str), exported as flat values + int64 offsets, one slice values[offsets[i]:offsets[i+1]]
+per row (str decoded as UTF-8); an encoded image column (jpeg/webp) decoded row by row with
+precache's decoder into one preallocated array. Temporary files go to $TMPDIR (about the
+cache's size, fixed-shape columns decoded).
 On few cores, workers can be slower than the main process for cached data: measure it.
 """
 
@@ -52,8 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench", help="measure stage-2 loading of a cache",
         description="Measure the samples/s make_loader delivers from a cache, per number of "
-        "DataLoader workers, against a NumPy gather limit and a one-file-per-sample loader; "
-        "recommend num_workers and a batch size.",
+        "DataLoader workers, against a NumPy gather limit (fixed-shape and variable-length "
+        "columns alike) and a one-file-per-sample loader; recommend num_workers and a batch "
+        "size.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("cache", help="cache directory or URL (s3://, gs://, file://)")

@@ -292,10 +292,15 @@ class CachedDataset:
             self._warmer, self._warmer_pid = ShardWarmer(), os.getpid()
         return self._warmer
 
-    def _reader(self, shard: int) -> ShardReader:
+    def _forget_if_forked(self) -> None:
         if self._pid != os.getpid():  # a forked worker: forget the parent's handles
             self._readers, self._decoded, self._pid = OrderedDict(), {}, os.getpid()
             self._decoded_total = 0
+
+    def _reader(self, shard: int, checked: bool = False) -> ShardReader:
+        """Shard ``shard``'s open reader (``checked``: the caller ran ``_forget_if_forked``)."""
+        if not checked:
+            self._forget_if_forked()
         reader = self._readers.get(shard)
         if reader is None:
             if len(self._readers) >= self.max_open_shards:
@@ -326,9 +331,11 @@ class CachedDataset:
             return []
         shards, rows = self._shard[indices], self._row[indices]
         grouped = np.lexsort((rows, shards))
-        starts = np.flatnonzero(np.diff(shards[grouped])) + 1
-        return [(int(shards[positions[0]]), positions, rows[positions])
-                for positions in np.split(grouped, starts)]
+        ordered_shards, ordered_rows = shards[grouped], rows[grouped]
+        bounds = [0, *(np.flatnonzero(np.diff(ordered_shards)) + 1).tolist(), len(grouped)]
+        firsts = ordered_shards[bounds[:-1]].tolist()
+        return [(shard, grouped[a:b], ordered_rows[a:b])  # slices: views, no copies
+                for shard, a, b in zip(firsts, bounds, bounds[1:])]
 
     def read_ahead(self, indices: Sequence[int]) -> None:
         """Ask the kernel to start reading the mapped columns of these rows (see the module
@@ -379,18 +386,28 @@ class CachedDataset:
             self._will_need(groups)
         if ahead is not None:
             self.read_ahead(ahead)
+        lists = {name: [] for name in self.columns if name not in out}  # in storage order
         start = 0
+        self._forget_if_forked()
         for shard, positions, rows in groups:
             if storage_order:  # this group's slots: the next len(rows) of the batch
                 positions = slice(start, start + len(rows))
                 start += len(rows)
-            reader = self._reader(shard)
+            reader = self._reader(shard, checked=True)
             views = reader.mapped()
             if views and rows[-1] >= len(next(iter(views.values()))):  # rows ascend: O(1)
                 raise IndexError(f"{self.path}: row {int(rows[-1])} of shard {shard} is past the "
                                  "end of its file; run `precache verify` on the cache")
             variable = reader.variable()
-            rest = [name for name in self.columns if name not in views and name not in variable]
+            rest = []
+            for name, values in lists.items():  # in place: views of the mapped file
+                column = variable.get(name)
+                if column is None:
+                    rest.append(name)
+                    continue
+                values.extend(column.buffers(rows) if name in self._encoded
+                              else column.rows(rows))
+                self._mapped_read += int(column.row_bytes * len(rows))  # about
             for name, view in views.items():
                 if name in out:
                     if storage_order and view.flags.aligned:  # one copy, into the batch
@@ -399,23 +416,18 @@ class CachedDataset:
                     else:  # (take is slow on unaligned data; a slice takes a plain copy)
                         out[name][positions] = view[rows]
                     self._mapped_read += view.itemsize * view[0].size * len(rows)
-            slots = range(len(indices))[positions] if storage_order else positions.tolist()
-            part: dict[str, Any] = {}
-            for name, column in variable.items():  # rows in place: views of the mapped file
-                if name in self.columns:
-                    part[name] = (column.buffers(rows) if name in self._encoded
-                                  else column.rows(rows))
-                    self._mapped_read += column.nbytes(rows)
+            rest += [name for name in out if name not in views]  # older shards' arrays
             if rest:
-                part.update(reader.read(rows, rest))
+                for name, values in reader.read(rows, rest).items():  # decoded (older shards)
+                    if name in lists:
+                        lists[name].extend(values)
+                    else:
+                        out[name][positions] = values
                 self._account(shard)
-            for name, values in part.items():
-                if isinstance(values, np.ndarray):
-                    out[name][positions] = values
-                    continue
-                column = out.setdefault(name, [None] * len(indices))
-                for position, value in zip(slots, values):
-                    column[position] = value
+        if lists and not storage_order and groups:  # storage order -> the order asked for
+            back = np.argsort(np.concatenate([positions for _, positions, _ in groups]))
+            lists = {name: [values[i] for i in back.tolist()] for name, values in lists.items()}
+        out.update(lists)
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
         if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
             warmer = self._shard_warmer()

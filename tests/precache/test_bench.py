@@ -1,4 +1,6 @@
-"""``precache bench`` on small real caches: every number present and sane, baselines, errors."""
+"""``precache bench`` on small real caches: every number present and sane, baselines, errors;
+the limit over variable-length (ragged, str) and JPEG columns holds the rows ``CachedDataset``
+gives."""
 
 from __future__ import annotations
 
@@ -7,17 +9,20 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import precache
 from precache.cli.bench import measure
 from precache.cli import main
-from precache.cli.bench import default_worker_counts
+from precache.cli.bench import FlatColumn, GatherRows, default_worker_counts, export_columns
 from precache.cli.bench.measure import _run_epochs
+from precache.loading import CachedDataset
 from precache.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
 from tests.conftest import write_photos
 
 QUIET = dict(progress=False, log=lambda *a, **k: None)
+RAGGED = str(Path(__file__).parent / "build" / "ragged_pipeline.py")
 
 
 def rename_image(sample: dict[str, Any]) -> dict[str, Any]:
@@ -50,8 +55,12 @@ def bench_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]
 def test_bench_reports_every_rate_ratio_recommendation_and_worker_rss(root, capsys):
     result = bench_json(capsys, str(root / "cache"), "--workers", "0,1")
     assert result["rows"] == 64 and result["workers"] == [0, 1]
-    assert sorted(result["limit_columns"]) == ["image", "orig_height", "orig_width"]
-    assert result["bytes_per_sample"] == 16 + 32 * 32 * 3
+    assert result["limit_columns"] == result["columns"]  # the str columns too
+    strings = [c for c, how in result["limit_reads"].items() if how == "str"]
+    assert "key" in strings and result["limit_reads"]["image"] == "take"
+    rows = precache.Cache(root / "cache").read_all(strings)
+    text_bytes = sum(len(s.encode()) for c in strings for s in rows[c])
+    assert result["bytes_per_sample"] == round(((16 + 32 * 32 * 3) * 64 + text_bytes) / 64)
     assert result["limit"]["samples_per_s"] > 0 and len(result["limit"]["runs"]) == 2
     per_file = result["per_file"]
     assert per_file["skipped"] is None and per_file["format"] == "jpeg"
@@ -79,7 +88,7 @@ def test_a_cache_without_images_skips_the_per_file_loader(root, tmp_path, capsys
                         "--columns", "key,pixels")
     assert "no 'image' column" in result["per_file"]["skipped"]
     assert result["per_file"]["results"] == [] and result["cached"][0]["vs_per_file"] is None
-    assert result["limit_columns"] == ["pixels"] and result["cached"][0]["epoch2"] > 0
+    assert result["limit_columns"] == ["key", "pixels"] and result["cached"][0]["epoch2"] > 0
     assert result["worker_rss"] is None
     assert main(["bench", str(tmp_path / "cache"), "--workers", "0", "--seconds", "0.1"]) == 0
     text = capsys.readouterr().out
@@ -126,3 +135,97 @@ def test_epochs_repeat_until_the_time_and_a_long_epoch_is_cut(monkeypatch):
 def test_default_worker_counts_start_with_the_main_process():
     counts = default_worker_counts()
     assert counts[:3] == [0, 1, 2] and counts == sorted(set(counts))
+
+
+@pytest.fixture(scope="module")
+def ragged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 rows in 4 shards: uint16 ids of 0 to 31 values (``ids``), keys with a non-ASCII one."""
+    root = tmp_path_factory.mktemp("bench_ragged")
+    (root / "in").mkdir()
+    for i in range(40):
+        name = f"t{i:02d}{'é' if i == 5 else ''}.txt"
+        (root / "in" / name).write_bytes(("word " * (i % 7)).encode() + b"z" * (i % 2))
+    precache.run(RAGGED, root / "in", root / "cache", workers=1, shard_rows=10, **QUIET)
+    return root / "cache"
+
+
+def assert_same_rows(limit: dict[str, Any], cached: dict[str, Any]) -> None:
+    assert limit.keys() == cached.keys()
+    for name, values in cached.items():
+        if isinstance(values, np.ndarray):  # fixed-shape and decoded image columns
+            assert limit[name].dtype == values.dtype
+            np.testing.assert_array_equal(limit[name], values)
+        else:  # a list per row: ragged arrays, str
+            assert len(limit[name]) == len(values)
+            for got, want in zip(limit[name], values):
+                assert type(got) is type(want)
+                if isinstance(want, np.ndarray):
+                    assert got.dtype == want.dtype
+                    np.testing.assert_array_equal(got, want)
+                else:
+                    assert got == want
+
+
+def test_the_limit_batches_hold_the_rows_of_cached_dataset_for_ragged_and_str(ragged_cache,
+                                                                            tmp_path):
+    columns = ["key", "ids", "length"]
+    arrays, paths = export_columns(precache.Cache(ragged_cache), columns, None, tmp_path)
+    assert paths == [] and isinstance(arrays["ids"], FlatColumn)
+    assert arrays["key"].kind == "str" and arrays["ids"].kind == "ragged"
+    assert arrays["ids"].values.dtype == np.uint16 and arrays["ids"].offsets.dtype == np.int64
+    assert len(arrays["ids"].offsets) == 41 and not isinstance(arrays["length"], FlatColumn)
+    limit = GatherRows(arrays)
+    dataset = CachedDataset(ragged_cache, columns=columns)
+    try:
+        assert len(limit) == len(dataset) == 40
+        order = [39, 0, 5, 5, 14, 7, 20, 33]  # across the shards, a row twice, empty ids (0, 7)
+        batch = limit.__getitems__(order)
+        assert_same_rows(batch, dataset.read_batch(order))
+        assert "t05é.txt" in batch["key"] and len(batch["ids"][1]) == 0
+        assert_same_rows(limit.__getitems__(list(range(40))), dataset.read_batch(range(40)))
+    finally:
+        dataset.close()
+
+
+def test_bench_reports_the_limit_for_ragged_and_str_columns(ragged_cache, capsys):
+    result = bench_json(capsys, str(ragged_cache), "--workers", "0", "--columns", "key,ids,length")
+    assert result["limit_columns"] == ["key", "ids", "length"]
+    assert result["limit_reads"] == {"key": "str", "ids": "ragged uint16", "length": "take"}
+    assert result["limit"]["samples_per_s"] > 0 and len(result["limit"]["runs"]) == 2
+    assert result["cached"][0]["fraction_of_limit"] > 0
+    rows = precache.Cache(ragged_cache).read_all(["key", "ids"])
+    stored = (sum(len(k.encode()) for k in rows["key"]) + sum(2 * len(i) for i in rows["ids"])
+              + 8 * 40)  # key bytes, uint16 ids, the int64 length
+    assert result["decoded_bytes"] == stored
+    assert not any("limit" in note for note in result["notes"])
+    assert main(["bench", str(ragged_cache), "--workers", "0", "--seconds", "0.1",
+                 "--columns", "key,ids,length"]) == 0
+    text = capsys.readouterr().out
+    assert "limit (a NumPy gather from memory-mapped .npy" in text
+    assert "np.take into preallocated batches: length" in text
+    assert ("one slice values[offsets[i]:offsets[i+1]] per row of a flat values .npy and an "
+            "int64 offsets .npy" in text and "key (str), ids (ragged uint16)" in text)
+
+
+def test_the_limit_decodes_a_jpeg_column_as_cached_dataset_does(root, tmp_path, capsys):
+    precache.run("images", root / "photos", tmp_path / "cache", workers=1,
+                 params={"size": 16, "image_codec": "jpeg"}, **QUIET)
+    cache = precache.Cache(tmp_path / "cache")
+    assert cache.manifest.schema["image"].kind == "bytes"
+    columns = ["image", "key", "orig_width"]
+    (tmp_path / "export").mkdir()
+    arrays, paths = export_columns(cache, columns, "jpeg", tmp_path / "export")
+    assert arrays["image"].kind == "image" and len(paths) == 64  # decoded for the per-file files
+    dataset = CachedDataset(tmp_path / "cache", columns=columns)
+    try:
+        order = [63, 0, 17, 17, 2]
+        batch = GatherRows(arrays).__getitems__(order)
+        assert batch["image"].shape == (5, 16, 16, 3)
+        assert_same_rows(batch, dataset.read_batch(order))
+    finally:
+        dataset.close()
+    result = bench_json(capsys, str(tmp_path / "cache"), "--workers", "0",
+                        "--columns", ",".join(columns))
+    assert result["limit_reads"] == {"image": "jpeg", "key": "str", "orig_width": "take"}
+    assert result["limit"]["samples_per_s"] > 0
+    assert result["per_file"]["skipped"] is None and result["per_file"]["results"][0]["epoch2"] > 0

@@ -34,6 +34,7 @@ PREFIX = 4
 """Bytes of the length written before each row's value (Parquet PLAIN ``BYTE_ARRAY``)."""
 
 _PREFIX_BYTES = np.arange(PREFIX, dtype=np.int64)
+_FEW = 16  # fewer rows than this are found in plain Python: faster than NumPy's calls
 
 
 def ends_column(name: str) -> str:
@@ -68,6 +69,8 @@ class VariableColumn:
                           or (itemsize > 1 and (sizes % itemsize).any())):
             raise ValueError(f"{where}: its offsets column does not describe its values "
                              f"({len(run)} bytes); the file is damaged")
+        self._data = memoryview(run)
+        self.row_bytes = (len(run) / len(ends) - PREFIX) if len(ends) else 0.0
         self.typed: np.ndarray | None = None
         if spec.kind == "ragged":
             dtype = np.dtype(spec.dtype).newbyteorder("<")
@@ -85,6 +88,10 @@ class VariableColumn:
             ValueError: a row's written length differs from its offsets (a damaged file).
         """
         rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) < _FEW:  # NumPy's per-call cost would exceed the rows' own
+            spans = [self._span(row) for row in rows.tolist()]
+            return (np.array([a for a, _ in spans], np.int64),
+                    np.array([b for _, b in spans], np.int64))
         stops = self.ends[rows]
         starts = np.where(rows > 0, self.ends[rows - 1], 0) + PREFIX
         if len(rows):
@@ -92,22 +99,34 @@ class VariableColumn:
             bad = np.flatnonzero(written != stops - starts)
             if len(bad):
                 row = int(rows[bad[0]])
-                raise ValueError(
-                    f"{self.where}: row {row} says it holds {int(written[bad[0]])} bytes, its "
-                    f"offsets say {int(stops[bad[0]] - starts[bad[0]])}; the file is damaged: "
-                    "run `precache verify` on the cache and rebuild it")
+                self._damaged(row, int(written[bad[0]]), int(stops[bad[0]] - starts[bad[0]]))
         return starts, stops
 
-    def nbytes(self, rows: np.ndarray) -> int:
-        """Bytes of the rows' values."""
-        rows = np.asarray(rows, dtype=np.int64)
-        before = np.where(rows > 0, self.ends[rows - 1], 0)
-        return int((self.ends[rows] - before).sum()) - PREFIX * len(rows)
+    def _span(self, row: int) -> tuple[int, int]:
+        """``spans`` of one row, in plain Python (for a few rows)."""
+        stop = self.ends.item(row)
+        start = (self.ends.item(row - 1) if row else 0) + PREFIX
+        written = int.from_bytes(self._data[start - PREFIX:start], "little")
+        if written != stop - start:
+            self._damaged(row, written, stop - start)
+        return start, stop
+
+    def _damaged(self, row: int, written: int, size: int) -> None:
+        raise ValueError(f"{self.where}: row {row} says it holds {written} bytes, its offsets "
+                         f"say {size}; the file is damaged: run `precache verify` on the cache "
+                         "and rebuild it")
 
     def rows(self, rows: np.ndarray) -> list[Any]:
         """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
-        starts, stops = self.spans(rows)
-        a, b = starts.tolist(), stops.tolist()
+        if len(rows) < _FEW and self.typed is not None:  # the common case of a small shard
+            size, typed, span = self.dtype.itemsize, self.typed, self._span
+            return [typed[i // size:j // size] for i, j in map(span, np.asarray(rows).tolist())]
+        if len(rows) < _FEW:
+            spans = [self._span(row) for row in np.asarray(rows).tolist()]
+            a, b = [i for i, _ in spans], [j for _, j in spans]
+        else:
+            starts, stops = self.spans(rows)
+            a, b = starts.tolist(), stops.tolist()
         if self.spec.kind == "ragged":
             if self.typed is not None:
                 size, typed = self.dtype.itemsize, self.typed
@@ -116,7 +135,7 @@ class VariableColumn:
                 return [typed[i // size:j // size] for i, j in zip(a, b)]
             run, dtype = self.run, self.dtype
             return [run[i:j].view(dtype) for i, j in zip(a, b)]
-        data = memoryview(self.run)
+        data = self._data
         if self.spec.kind == "str":
             return [str(data[i:j], "utf-8") for i, j in zip(a, b)]
         return [data[i:j].tobytes() for i, j in zip(a, b)]
@@ -124,7 +143,7 @@ class VariableColumn:
     def buffers(self, rows: np.ndarray) -> list[memoryview]:
         """The rows' bytes as views of the mapped file (for decoders that read a buffer)."""
         starts, stops = self.spans(rows)
-        data = memoryview(self.run)
+        data = self._data
         return [data[i:j] for i, j in zip(starts.tolist(), stops.tolist())]
 
     def will_need(self, mapping: mmap.mmap, run_offset: int, rows: np.ndarray) -> None:

@@ -1,7 +1,8 @@
 """Timing one loader setting: epoch 1 apart from the later epochs, worker memory after each
 epoch; for the cached loader (``make_loader`` over ``CachedDataset``), the per-file baseline
 (one picture file per sample, ``cv2.imread``) and the limit (a NumPy gather of memory-mapped
-arrays). See ``precache.cli.bench`` for what is measured and why."""
+arrays; per-row slices of memory-mapped flat values for variable-length columns). See
+``precache.cli.bench`` for what is measured and why."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from precache.cache import Cache
+from precache.cache.image_codec import decode_image
 from precache.loading.dataset import CachedDataset
 from precache.loading.loader import make_loader
 from precache.threads import pin_threads
 
 __all__ = ["Rates", "CACHED_CUT", "cores", "default_worker_counts", "measure_cached",
-           "measure_per_file", "measure_gather", "drop_page_cache", "shard_paths"]
+           "measure_per_file", "measure_gather", "drop_page_cache", "shard_paths", "FlatColumn",
+           "GatherRows"]
 
 CACHED_CUT = 10
 """A cached-loader epoch is cut after this many times ``seconds`` (a baseline's: ``seconds``)."""
@@ -234,33 +237,111 @@ def measure_per_file(paths: list[str], color: bool, batch_size: int, workers: in
         _shutdown(loader)
 
 
-class _MemmapRows(Dataset):
-    """The limit's dataset: ``__getitems__`` is one ``np.take`` per memory-mapped column."""
+class FlatColumn:
+    """A variable-length column as the limit reads it: row ``i`` is ``values[offsets[i]:
+    offsets[i + 1]]`` of two memory-mapped ``.npy`` files, the way a ``ragged``, ``bytes`` or
+    ``str`` column sits in a shard (values without per-row framing, offsets apart).
 
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+    Args:
+        values_file: a 1-D ``.npy`` of every row's values, rows in ``CachedDataset`` order (the
+            values at their own dtype for ``ragged``, raw bytes as uint8 otherwise).
+        offsets_file: a 1-D int64 ``.npy`` of ``rows + 1`` positions in ``values``.
+        kind: ``ragged``, ``bytes``, ``str``, or ``image`` (JPEG/WebP bytes, decoded per row
+            with ``decode_image`` as ``CachedDataset`` does).
+    """
+
+    def __init__(self, values_file: str | os.PathLike[str], offsets_file: str | os.PathLike[str],
+                 kind: str) -> None:
+        self.values_file, self.offsets_file, self.kind = str(values_file), str(offsets_file), kind
+        # plain ndarray views of the maps: slicing an np.memmap costs more per row
+        self.values = np.asarray(np.load(self.values_file, mmap_mode="r"))
+        self.offsets = np.asarray(np.load(self.offsets_file, mmap_mode="r"))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def reopened(self) -> FlatColumn:
+        """The same files mapped afresh (after ``drop_page_cache``)."""
+        return FlatColumn(self.values_file, self.offsets_file, self.kind)
+
+    def rows(self, indices: Sequence[int]) -> list[Any] | np.ndarray:
+        """The rows: 1-D views (``ragged``), ``bytes``, ``str``, or one ``(n, h, w, 3)`` uint8
+        array of decoded images (``image``)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        spans = zip(self.offsets[rows].tolist(), self.offsets[rows + 1].tolist())
+        if self.kind == "ragged":
+            values = self.values
+            return [values[i:j] for i, j in spans]
+        data = memoryview(self.values)
+        if self.kind == "str":
+            return [str(data[i:j], "utf-8") for i, j in spans]
+        if self.kind == "bytes":
+            return [data[i:j].tobytes() for i, j in spans]
+        return _decode_images([data[i:j] for i, j in spans])
+
+
+def _decode_images(buffers: list[memoryview]) -> np.ndarray:
+    """Each image decoded straight into its slot of one preallocated uint8 batch (the first
+    decoded alone to learn the size), as ``CachedDataset._decode`` does."""
+    if not buffers:
+        return np.empty((0, 0, 0, 3), np.uint8)
+    first = decode_image(buffers[0])
+    batch = np.empty((len(buffers), *first.shape), dtype=np.uint8)
+    batch[0] = first
+    for i in range(1, len(buffers)):
+        decode_image(buffers[i], out=batch[i])
+    return batch
+
+
+class GatherRows(Dataset):
+    """The limit's dataset: ``__getitems__`` is one ``np.take`` per fixed-shape column (an
+    array) and one slice per row of each variable-length column (a ``FlatColumn``), the encoded
+    images among them decoded into one preallocated array."""
+
+    def __init__(self, arrays: dict[str, np.ndarray | FlatColumn]) -> None:
         self.arrays = arrays
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
 
-    def __getitems__(self, indices: list[int]) -> dict[str, np.ndarray]:
-        return {name: np.take(array, indices, axis=0) for name, array in self.arrays.items()}
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        return {name: column.rows(indices) if isinstance(column, FlatColumn)
+                else np.take(column, indices, axis=0) for name, column in self.arrays.items()}
 
 
-def _as_tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(values) for name, values in batch.items()}
+_MemmapRows = GatherRows  # the name tests/benchmarks/bench_loading.py imports
 
 
-def measure_gather(arrays: dict[str, np.ndarray], batch_size: int, seconds: float) -> Rates:
-    """Samples/s of the limit: a ``DataLoader`` (no workers, shuffled) over a dataset whose
-    ``__getitems__`` is one ``np.take`` per memory-mapped column, batches as tensors. Arrays
-    mapped from ``.npy`` files are mapped afresh after ``drop_page_cache``, so epoch 1 reads
-    them from disk."""
-    files = {k: getattr(a, "filename", None) for k, a in arrays.items()}
-    if all(files.values()):
-        drop_page_cache(list(files.values()))
-        arrays = {k: np.load(f, mmap_mode="r") for k, f in files.items()}
-    dataset = _MemmapRows(arrays)
+def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """Arrays as tensors; lists (ragged, bytes and str rows) as they are, as the default
+    collate leaves a cached batch's."""
+    return {name: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+            for name, values in batch.items()}
+
+
+def _mapped_afresh(column: np.ndarray | FlatColumn) -> np.ndarray | FlatColumn:
+    if isinstance(column, FlatColumn):
+        return column.reopened()
+    return np.load(column.filename, mmap_mode="r")
+
+
+def _files(column: np.ndarray | FlatColumn) -> list[str | None]:
+    if isinstance(column, FlatColumn):
+        return [column.values_file, column.offsets_file]
+    return [getattr(column, "filename", None)]
+
+
+def measure_gather(arrays: dict[str, np.ndarray | FlatColumn], batch_size: int,
+                   seconds: float) -> Rates:
+    """Samples/s of the limit: a ``DataLoader`` (no workers, shuffled) over ``GatherRows`` (one
+    ``np.take`` per fixed-shape column, one slice per row of each variable-length column),
+    arrays as tensors. Columns mapped from ``.npy`` files are mapped afresh after
+    ``drop_page_cache``, so epoch 1 reads them from disk."""
+    files = [f for column in arrays.values() for f in _files(column)]
+    if all(files):
+        drop_page_cache(files)
+        arrays = {k: _mapped_afresh(column) for k, column in arrays.items()}
+    dataset = GatherRows(arrays)
     generator = torch.Generator()
     generator.manual_seed(0)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator,

@@ -43,12 +43,13 @@ def format_report(result: dict[str, Any]) -> str:
            f"{r['seconds']:g} s of epochs per setting; {r['cores']} cores; torch {r['torch']}; "
            "one thread per library per process", _size_line(r), ""]
     if limit:
-        out.append(f"limit (np.take of {', '.join(r['limit_columns'])}, {r['bytes_per_sample']:,} "
-                   f"B/sample, from memory-mapped .npy into preallocated batches): "
+        out.append(f"limit (a NumPy gather from memory-mapped .npy, {r['bytes_per_sample']:,} "
+                   "B/sample): "
                    f"{_rate(limit['samples_per_s'])} samples/s warm "
                    f"({limit['mb_per_s']:,.0f} MB/s; "
                    f"runs {' / '.join(_rate(x) for x in limit['runs'])}, faster kept), "
                    f"{_rate(limit['cold_samples_per_s'])} samples/s in its cold epoch 1")
+        out += _limit_reads(r["limit_reads"])
     if per_file["skipped"]:
         out.append(f"per-file loader: skipped ({per_file['skipped']})")
     else:
@@ -103,6 +104,24 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _limit_reads(reads: dict[str, str]) -> list[str]:
+    """How the limit reads each column (``bench_loader``'s ``limit_reads``), a line per way."""
+    how: dict[str, list[str]] = {"take": [], "slice": [], "decode": []}
+    for column, read in reads.items():
+        if read == "take":
+            how["take"].append(column)
+        elif read in ("bytes", "str") or read.startswith("ragged"):
+            how["slice"].append(f"{column} ({read})")
+        else:  # an image codec
+            how["decode"].append(f"{column} ({read})")
+    lines = {"take": "np.take into preallocated batches",
+             "slice": "one slice values[offsets[i]:offsets[i+1]] per row of a flat values .npy "
+                      "and an int64 offsets .npy (str decoded as UTF-8, bytes as bytes)",
+             "decode": "decoded per row (precache's decode_image) into one preallocated uint8 "
+                       "array"}
+    return [f"  {lines[k]}: {', '.join(columns)}" for k, columns in how.items() if columns]
+
+
 def _size_line(r: dict[str, Any]) -> str:
     """The cache's size against this machine's RAM."""
     ram = r["ram_bytes"]
@@ -111,7 +130,7 @@ def _size_line(r: dict[str, Any]) -> str:
     fits = "" if not ram else ("; fits in RAM" if r["decoded_bytes"] <= ram else
                                "; larger than RAM")
     return (f"cache {r['cache_bytes'] / 1e9:.2f} GB on disk, {r['decoded_bytes'] / 1e9:.2f} GB of "
-            f"fixed-shape columns asked for = {against}{fits}")
+            f"the columns asked for (variable-length ones as stored) = {against}{fits}")
 
 
 def _share(kb: int, r: dict[str, Any]) -> str:
