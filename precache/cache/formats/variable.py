@@ -33,7 +33,6 @@ VARIABLE_KINDS = ("ragged", "bytes", "str")
 PREFIX = 4
 """Bytes of the length written before each row's value (Parquet PLAIN ``BYTE_ARRAY``)."""
 
-_PREFIX_BYTES = np.arange(PREFIX, dtype=np.int64)
 _FEW = 16  # fewer rows than this are found in plain Python: faster than NumPy's calls
 
 
@@ -70,6 +69,9 @@ class VariableColumn:
             raise ValueError(f"{where}: its offsets column does not describe its values "
                              f"({len(run)} bytes); the file is damaged")
         self._data = memoryview(run)
+        # the 4 bytes from every position as one uint32 (overlapping, no copy): the written
+        # lengths of any rows in one gather
+        self._lengths = np.ndarray((max(len(run) - PREFIX + 1, 0),), "<u4", run, strides=(1,))
         self.row_bytes = (len(run) / len(ends) - PREFIX) if len(ends) else 0.0
         self.typed: np.ndarray | None = None
         if spec.kind == "ragged":
@@ -88,19 +90,14 @@ class VariableColumn:
             ValueError: a row's written length differs from its offsets (a damaged file).
         """
         rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) < _FEW:  # NumPy's per-call cost would exceed the rows' own
-            spans = [self._span(row) for row in rows.tolist()]
-            return (np.array([a for a, _ in spans], np.int64),
-                    np.array([b for _, b in spans], np.int64))
         stops = self.ends[rows]
-        starts = np.where(rows > 0, self.ends[rows - 1], 0) + PREFIX
-        if len(rows):
-            written = self.run[(starts - PREFIX)[:, None] + _PREFIX_BYTES].view("<u4")[:, 0]
-            bad = np.flatnonzero(written != stops - starts)
-            if len(bad):
-                row = int(rows[bad[0]])
-                self._damaged(row, int(written[bad[0]]), int(stops[bad[0]] - starts[bad[0]]))
-        return starts, stops
+        heads = self.ends[rows - 1]  # row 0: the last end, the run's length: 0 modulo it
+        heads %= len(self.run)
+        sizes = stops - heads - PREFIX
+        if (self._lengths[heads] != sizes).any():
+            bad = int(np.flatnonzero(self._lengths[heads] != sizes)[0])
+            self._damaged(int(rows[bad]), int(self._lengths[heads[bad]]), int(sizes[bad]))
+        return heads + PREFIX, stops
 
     def _span(self, row: int) -> tuple[int, int]:
         """``spans`` of one row, in plain Python (for a few rows)."""
@@ -116,23 +113,26 @@ class VariableColumn:
                          f"say {size}; the file is damaged: run `precache verify` on the cache "
                          "and rebuild it")
 
+    def _bounds(self, rows: np.ndarray, unit: int) -> tuple[list[int], list[int]]:
+        """``spans`` as Python lists, in units of ``unit`` bytes (a few rows in plain Python:
+        NumPy's per-call cost would exceed the rows' own)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) < _FEW:
+            spans = [self._span(row) for row in rows.tolist()]
+            return [a // unit for a, _ in spans], [b // unit for _, b in spans]
+        starts, stops = self.spans(rows)
+        if unit > 1:
+            starts //= unit
+            stops //= unit
+        return starts.tolist(), stops.tolist()
+
     def rows(self, rows: np.ndarray) -> list[Any]:
         """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
-        if len(rows) < _FEW and self.typed is not None:  # the common case of a small shard
-            size, typed, span = self.dtype.itemsize, self.typed, self._span
-            return [typed[i // size:j // size] for i, j in map(span, np.asarray(rows).tolist())]
-        if len(rows) < _FEW:
-            spans = [self._span(row) for row in np.asarray(rows).tolist()]
-            a, b = [i for i, _ in spans], [j for _, j in spans]
-        else:
-            starts, stops = self.spans(rows)
-            a, b = starts.tolist(), stops.tolist()
+        if self.typed is not None:  # slices of one typed view
+            typed = self.typed
+            return [typed[i:j] for i, j in zip(*self._bounds(rows, typed.itemsize))]
+        a, b = self._bounds(rows, 1)
         if self.spec.kind == "ragged":
-            if self.typed is not None:
-                size, typed = self.dtype.itemsize, self.typed
-                if size == 1:
-                    return [typed[i:j] for i, j in zip(a, b)]
-                return [typed[i // size:j // size] for i, j in zip(a, b)]
             run, dtype = self.run, self.dtype
             return [run[i:j].view(dtype) for i, j in zip(a, b)]
         data = self._data
@@ -142,9 +142,8 @@ class VariableColumn:
 
     def buffers(self, rows: np.ndarray) -> list[memoryview]:
         """The rows' bytes as views of the mapped file (for decoders that read a buffer)."""
-        starts, stops = self.spans(rows)
         data = self._data
-        return [data[i:j] for i, j in zip(starts.tolist(), stops.tolist())]
+        return [data[i:j] for i, j in zip(*self._bounds(rows, 1))]
 
     def will_need(self, mapping: mmap.mmap, run_offset: int, rows: np.ndarray) -> None:
         """``madvise(MADV_WILLNEED)`` over the bytes of ``rows`` (their lengths included), one
