@@ -5,8 +5,8 @@ A column is one of five kinds:
 - ``ndarray``: a fixed-shape NumPy array per row (a crop, a landmark set). Stored so that a batch of
   rows is one contiguous ``(n, *shape)`` array on read.
 - ``ragged``: a 1-D NumPy array per row whose length varies (token ids). An op marks it with
-  ``ragged(values)``; stored as values plus offsets (Parquet list, HDF5 variable-length), read
-  back as one array per row.
+  ``ragged(values)``; stored as the raw values at their own width plus where each row ends
+  (``precache.cache.formats.variable``), read back as one array per row.
 - ``scalar``: one number per row (``int64``, ``float32``, ``bool`` ...).
 - ``str``: a UTF-8 string per row.
 - ``bytes``: an opaque byte string per row.
