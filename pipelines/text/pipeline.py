@@ -45,4 +45,5 @@ pipeline = Pipeline(
     extensions=TEXT_EXTENSIONS,
     description="UTF-8 .txt documents, or .jsonl/.csv/.parquet records -> unpadded token ids "
     "(Hugging Face tokenizers), label from the record or the folder",
+    shard_rows=4096,  # ~4 MB of ids a shard: a shuffled batch touches fewer shards
 )

@@ -51,10 +51,12 @@ def classify(inputs: list[Input], cached: dict[str, dict[str, Any]],
     return todo, kept
 
 
-def make_tasks(todo: list[Input], first_seq: int, shard_rows: int | None) -> list[Task]:
-    """Cut the inputs to compute into tasks of ``shard_rows`` (default: 256, or fewer for small
-    runs so there are at least ``MIN_TASKS`` of at least 16), numbered from ``first_seq``."""
+def make_tasks(todo: list[Input], first_seq: int, shard_rows: int | None,
+               default: int = DEFAULT_SHARD_ROWS) -> list[Task]:
+    """Cut the inputs to compute into tasks of ``shard_rows`` (default: ``default``, or fewer
+    for small runs so there are at least ``MIN_TASKS`` of at least 16), numbered from
+    ``first_seq``."""
     if shard_rows is None:
-        shard_rows = min(DEFAULT_SHARD_ROWS, max(16, -(-len(todo) // MIN_TASKS)))
+        shard_rows = min(default, max(16, -(-len(todo) // MIN_TASKS)))
     return [Task(first_seq + i, tuple(todo[s:s + shard_rows]))
             for i, s in enumerate(range(0, len(todo), shard_rows))]

@@ -113,7 +113,8 @@ def run(
             ``executor="ray"``: Ray actors (default: the CPUs of the Ray cluster).
         format: ``parquet`` (default) or ``hdf5``.
         shard_rows: inputs per task, and so rows per shard (one task is one shard). Default
-            256, or fewer for small runs so there are at least 32 shards (of at least 16).
+            the pipeline's (256; ``text``: 4096), or fewer for small runs so there are at least
+            32 shards (of at least 16).
         overwrite: replace a cache of another pipeline (or a corrupt one) at ``output``.
         fail_fast: stop at the first failed input (committed shards are kept for a re-run).
         progress: show a progress bar.
@@ -167,7 +168,7 @@ def run(
             + (f", {deleted} deleted" if deleted else ""))
 
         first_seq = tx.next_seq
-        tasks = make_tasks(todo, first_seq, shard_rows)
+        tasks = make_tasks(todo, first_seq, shard_rows, pipeline.shard_rows or DEFAULT_SHARD_ROWS)
         layout = tx.layout
         config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,
                               cache_root=str(layout.root), cache_url=layout.url,

@@ -77,8 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--format", choices=sorted(FORMATS), default="parquet",
                         help="shard format (default: parquet)")
     parser.add_argument("--shard-rows", type=int, default=None,
-                        help=f"inputs per shard (default: {DEFAULT_SHARD_ROWS}, or fewer for small "
-                        "runs so there are at least 32 shards of at least 16)")
+                        help=f"inputs per shard (default: the pipeline's, {DEFAULT_SHARD_ROWS}; "
+                        "text: 4096; or fewer for small runs so there are at least 32 shards of "
+                        "at least 16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a pipeline parameter (repeatable)")
     parser.add_argument("--overwrite", action="store_true",

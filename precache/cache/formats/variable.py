@@ -128,6 +128,16 @@ class VariableColumn:
 
     def rows(self, rows: np.ndarray) -> list[Any]:
         """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
+        if self.typed is not None and len(rows) < _FEW:  # a small shard's few rows: inline
+            typed, size, ends, data, out = self.typed, self.typed.itemsize, self.ends, \
+                self._data, []
+            for row in rows.tolist():
+                stop = ends.item(row)
+                start = (ends.item(row - 1) if row else 0) + PREFIX
+                if int.from_bytes(data[start - PREFIX:start], "little") != stop - start:
+                    self._span(row)  # raises, saying so
+                out.append(typed[start // size:stop // size])
+            return out
         if self.typed is not None:  # slices of one typed view
             typed = self.typed
             return [typed[i:j] for i, j in zip(*self._bounds(rows, typed.itemsize))]

@@ -387,3 +387,15 @@ def test_a_worker_that_dies_stops_the_run_and_a_rerun_finishes(
     # workers once the task queue is empty) and committed them.
     assert summary.computed == 4 and summary.ok == 24
     assert sorted(Cache(out).read_all(["key"])["key"]) == sorted(p.name for p in photos.iterdir())
+
+
+def test_a_pipeline_may_choose_larger_shards_for_large_runs():
+    from precache.build.plan import make_tasks
+    from precache.pipeline import load_pipeline
+
+    assert load_pipeline("text").shard_rows == 4096 and load_pipeline("images").shard_rows is None
+    todo = list(range(200_000))
+    assert {len(t.inputs) for t in make_tasks(todo, 0, None, 4096)[:-1]} == {4096}
+    assert {len(t.inputs) for t in make_tasks(todo, 0, None)[:-1]} == {256}
+    assert len(make_tasks(todo[:1000], 0, None, 4096)) == 32  # small runs: still 32 tasks
+    assert {len(t.inputs) for t in make_tasks(todo, 0, 100, 4096)} == {100}  # asked for
