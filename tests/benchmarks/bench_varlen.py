@@ -4,7 +4,8 @@ LitData and Hugging Face ``datasets``, over the same rows, cold and warm, in one
     .venv/bin/python tests/benchmarks/bench_varlen.py                        # full size
     .venv/bin/python tests/benchmarks/bench_varlen.py --docs 5000 --images 1000   # seconds
     .venv/bin/python tests/benchmarks/bench_varlen.py --workload tokens --docs 30000000 \\
-        --readers limit,precache --workers 2 --max-batches 200 --dir /big/disk  # 31 GB
+        --rows-per-record 4096 --shard-rows 8192 --readers limit,precache --workers 0,2 \\
+        --max-batches 200 --dir /big/disk  # 31 GB, past RAM
 
 Workloads (fixed seeds, so every reader and every run sees the same data):
 
@@ -154,6 +155,7 @@ def write_source(workload: str, rows: int, folder: Path) -> dict[str, Path]:
 
 
 _SOURCES: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per process: folder -> memmaps
+RECORD_ROWS = [1]  # rows per stage-1 record of this run's token workload
 
 
 def _source(folder: str) -> tuple[np.ndarray, np.ndarray]:
@@ -163,12 +165,20 @@ def _source(folder: str) -> tuple[np.ndarray, np.ndarray]:
     return _SOURCES[folder]
 
 
-def token_row(sample: dict, source: str) -> dict:
-    """Stage 1, tokens: the record ``{"i": n}`` becomes document n's ids (a ragged column)."""
-    i = json.loads(sample["data"])["i"]
+def token_row(sample: dict, source: str) -> dict | list[dict]:
+    """Stage 1, tokens: the record ``{"i": n}`` becomes document n's ids (a ragged column);
+    ``{"i": n, "n": k}`` documents n..n+k-1, one row each (``--rows-per-record``)."""
+    record = json.loads(sample["data"])
     values, offsets = _source(source)
-    sample["ids"] = ragged(np.array(values[offsets[i]:offsets[i + 1]]), np.uint16)
-    return sample
+    if "n" not in record:
+        i = record["i"]
+        sample["ids"] = ragged(np.array(values[offsets[i]:offsets[i + 1]]), np.uint16)
+        return sample
+    first, count = record["i"], record["n"]
+    del sample["data"]
+    block = np.array(values[offsets[first]:offsets[first + count]])
+    cuts = (offsets[first + 1:first + count] - offsets[first]).tolist()
+    return [dict(sample, ids=ragged(part, np.uint16)) for part in np.split(block, cuts)]
 
 
 def image_row(sample: dict) -> dict:
@@ -388,16 +398,21 @@ def touch(batch: dict[str, Any], workload: str) -> tuple[int, int, int]:
     return len(images), 0, int(images[:, 0, 0, :].sum(dtype=np.int64))
 
 
-def run_epoch(loader: Any, epoch: int, workload: str, max_batches: int | None
-              ) -> tuple[float, tuple[int, int, int]]:
-    """(samples/s, (rows, tokens, checksum)) of one epoch, cut after ``max_batches``."""
+def run_epoch(loader: Any, epoch: int, workload: str, max_batches: int | None,
+              opened: float | None = None) -> tuple[float, tuple[int, int, int], float]:
+    """(samples/s, (rows, tokens, checksum), seconds to the first batch) of one epoch, cut
+    after ``max_batches``; ``opened``: when the loader was opened (the first batch counts
+    from then)."""
     from precache.loading import CacheLoader
 
     if isinstance(loader, CacheLoader):  # the others reshuffle on each iteration themselves
         loader.set_epoch(epoch)
     rows = tokens = total = 0
     start = shown = time.perf_counter()
+    first = 0.0
     for i, batch in enumerate(loader):
+        if i == 0:
+            first = time.perf_counter() - (start if opened is None else opened)
         n, t, s = touch(batch, workload)
         rows, tokens, total = rows + n, tokens + t, total + s
         if max_batches and i + 1 >= max_batches:
@@ -405,21 +420,23 @@ def run_epoch(loader: Any, epoch: int, workload: str, max_batches: int | None
         if time.perf_counter() - shown > 30:  # a long epoch shows where it is
             shown = time.perf_counter()
             say(f"    epoch {epoch + 1}: {rows:,} rows, {rows / (shown - start):,.0f}/s")
-    return rows / (time.perf_counter() - start), (rows, tokens, total)
+    return rows / (time.perf_counter() - start), (rows, tokens, total), first
 
 
 def torch_of(loader: Any) -> Any:
     return getattr(loader, "loader", loader)  # a CacheLoader wraps a DataLoader
 
 
-def workers_uss(loader: Any) -> int:
-    """Bytes of the loader's live workers' USS (Private_Clean + Private_Dirty)."""
+def workers_uss(loader: Any) -> tuple[int, int]:
+    """Bytes of the loader's live workers' USS (Private_Clean + Private_Dirty), and of its
+    Private_Clean part alone (pages of mapped files only that worker maps: the read data)."""
     from precache.cli.bench.measure import _smaps_kb
 
     iterator = getattr(torch_of(loader), "_iterator", None)
     pids = [p.pid for p in getattr(iterator, "_workers", None) or []]
-    return sum(m.get("Private_Clean", 0) + m.get("Private_Dirty", 0)
-               for m in (_smaps_kb(pid) for pid in pids)) * 1024
+    maps = [_smaps_kb(pid) for pid in pids]
+    clean = sum(m.get("Private_Clean", 0) for m in maps) * 1024
+    return clean + sum(m.get("Private_Dirty", 0) for m in maps) * 1024, clean
 
 
 def shutdown(loader: Any) -> None:
@@ -438,17 +455,19 @@ def measure(files: list[Path], open_loader: Callable[[], tuple[Any, Callable[[],
 
     gc.collect()  # maps of earlier readers would keep their pages in the page cache
     drop_page_cache(files)
+    opened = time.perf_counter()
     loader, close = open_loader()
     try:
-        cold, sums1 = run_epoch(loader, 0, workload, max_batches)
-        warm, sums2 = run_epoch(loader, 1, workload, max_batches)
-        uss = workers_uss(loader) if workers else 0
+        cold, sums1, first = run_epoch(loader, 0, workload, max_batches, opened)
+        warm, sums2, _ = run_epoch(loader, 1, workload, max_batches)
+        uss, uss_files = workers_uss(loader) if workers else (0, 0)
     finally:
         shutdown(loader)
         close()
         del loader
         gc.collect()
-    return {"cold": cold, "warm": warm, "uss": uss, "sums": [sums1, sums2]}
+    return {"cold": cold, "warm": warm, "uss": uss, "uss_files": uss_files,
+            "sums": [sums1, sums2], "first": first}
 
 
 # --- one workload -----------------------------------------------------------------------------
@@ -462,7 +481,9 @@ def verify_cache(cache: Path, source: Path, workload: str) -> None:
     try:
         rows = np.random.default_rng(0).choice(len(dataset), min(64, len(dataset)), replace=False)
         got = dataset.read_batch(rows)
-        index = [int(key.rsplit(":", 1)[1]) - 1 for key in got["key"]]
+        per = RECORD_ROWS[0]  # records.jsonl:n is row n - 1, or with blocks :n#j row per*(n-1)+j
+        index = [(int(key.rsplit(":", 1)[1].split("#")[0]) - 1) * per
+                 + (int(key.split("#")[1]) if "#" in key else 0) for key in got["key"]]
         want = MemmapRows(source, workload).__getitems__(index)
         column = COLUMN[workload]
         same = (all(np.array_equal(a, b) for a, b in zip(got[column], want[column]))
@@ -504,9 +525,13 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
     info["bytes"]["limit (.npy)"] = folder_bytes(source)
     del values
     records = root / "records.jsonl"
-    if not records.exists() or not args.reuse:  # stage 1's input: one record per row
+    per = RECORD_ROWS[0] = args.rows_per_record if workload == "tokens" else 1
+    if not records.exists() or not args.reuse:  # stage 1's input: one record per row (block)
         with open(records, "w") as out:
-            for start in range(0, rows, 1 << 20):
+            if per > 1:
+                out.write("".join(f'{{"i": {i}, "n": {min(per, rows - i)}}}\n'
+                                  for i in range(0, rows, per)))
+            for start in range(0, rows if per == 1 else 0, 1 << 20):
                 stop = min(rows, start + (1 << 20))
                 out.write("".join(f'{{"i": {i}}}\n' for i in range(start, stop)))
 
@@ -517,7 +542,8 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
         name = f"precache shard_rows={shard_rows}"
         if fresh(cache, lambda p: (p / "manifest.json").exists()):
             say(f"{workload}: stage 1 -> {cache.name} ({args.stage1_workers} workers)")
-            info["write_s"][name] = build_precache(workload, source, records, cache, shard_rows,
+            info["write_s"][name] = build_precache(workload, source, records, cache,
+                                                   max(1, shard_rows // per),
                                                    args.stage1_workers)
             say(f"{workload}: stage 1 took {info['write_s'][name]:.1f}s")
         info["bytes"][name] = folder_bytes(cache)
@@ -647,7 +673,8 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
                  "ratios to the limit with the same workers in this run"
                  + (f"; epochs cut after {args.max_batches} batches" if args.max_batches else ""))
     header = (f"{'workload':<8} {'reader':<9} {'shards':>6} {'wk':>2} {'epoch 1 cold':>13} "
-              f"{'/limit':>6} {'epoch 2 warm':>13} {'/limit':>6} {'workers USS':>19} check")
+              f"{'/limit':>6} {'epoch 2 warm':>13} {'/limit':>6} {'workers USS (files)':>26} "
+              f"{'1st batch':>9} check")
     lines += [header, "-" * len(header)]
     limits = {(r["workload"], r["workers"]): r for r in table
               if r["reader"] == "limit" and "skipped" not in r}
@@ -661,15 +688,17 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
         limit = limits.get((r["workload"], r["workers"]))
         cold_ratio = f"{r['cold'] / limit['cold']:.2f}" if limit else "-"
         warm_ratio = f"{r['warm'] / limit['warm']:.2f}" if limit else "-"
-        uss = (f"{r['uss'] / 1e6:,.0f} MB {r['uss'] / r['uss_of']:5.0%}" if r["workers"]
-               else "-")
+        uss = (f"{r['uss'] / 1e6:,.0f} MB {r['uss'] / r['uss_of']:4.0%} "
+               f"({r['uss_files'] / r['uss_of']:4.0%})" if r["workers"] else "-")
         lines.append(lead + f"{r['cold']:>11,.0f}/s {cold_ratio:>6} {r['warm']:>11,.0f}/s "
-                     f"{warm_ratio:>6} {uss:>19} "
+                     f"{warm_ratio:>6} {uss:>26} {r['first'] * 1e3:>7,.0f}ms "
                      + check(r, limit, rows_of[r["workload"]], bool(args.max_batches)))
     lines.append("workers USS: all workers' Private_Clean + Private_Dirty after epoch 2 (their "
                  "own heap and interpreter included, and any page of a mapped file that only one "
-                 "worker touched), as a % of the bytes of the precache cache (its own shard_rows; "
-                 "other readers: the first)")
+                 "worker touched), as a % of the bytes of the precache cache (in brackets: the "
+                 "Private_Clean part alone, file pages only that worker maps; its own shard_rows; "
+                 "other readers: the first); 1st batch: from opening the loader (cold: files "
+                 "out of the page cache) to its first batch, worker start included")
     return "\n".join(lines)
 
 
@@ -701,6 +730,10 @@ def parse_args() -> argparse.Namespace:
                         help="cut each epoch after this many batches (caches past RAM)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where to build (default: a temporary folder)")
+    parser.add_argument("--rows-per-record", type=int, default=1,
+                        help="tokens: documents per stage-1 input record (one row each); "
+                        "--shard-rows stays in rows. Stage 1 of tens of millions of one-row "
+                        "records pays its per-input costs that many times: for caches past RAM")
     parser.add_argument("--keep", action="store_true", help="keep what this run built")
     parser.add_argument("--reuse", action="store_true",
                         help="use files an earlier --keep run left in --dir")
