@@ -103,7 +103,7 @@ class VariableColumn:
         """``spans`` of one row, in plain Python (for a few rows)."""
         stop = self.ends.item(row)
         start = (self.ends.item(row - 1) if row else 0) + PREFIX
-        written = int.from_bytes(self._data[start - PREFIX:start], "little")
+        written = self._lengths.item(start - PREFIX)
         if written != stop - start:
             self._damaged(row, written, stop - start)
         return start, stop
@@ -129,14 +129,14 @@ class VariableColumn:
     def rows(self, rows: np.ndarray) -> list[Any]:
         """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
         if self.typed is not None and len(rows) < _FEW:  # a small shard's few rows: inline
-            typed, size, ends, data, out = self.typed, self.typed.itemsize, self.ends, \
-                self._data, []
+            typed, size, end, length, out = self.typed, self.typed.itemsize, self.ends.item, \
+                self._lengths.item, []
             for row in rows.tolist():
-                stop = ends.item(row)
-                start = (ends.item(row - 1) if row else 0) + PREFIX
-                if int.from_bytes(data[start - PREFIX:start], "little") != stop - start:
+                stop = end(row)
+                head = end(row - 1) if row else 0
+                if length(head) != stop - head - PREFIX:
                     self._span(row)  # raises, saying so
-                out.append(typed[start // size:stop // size])
+                out.append(typed[(head + PREFIX) // size:stop // size])
             return out
         if self.typed is not None:  # slices of one typed view
             typed = self.typed

@@ -89,6 +89,31 @@ def test_read_ahead_brings_the_rows_into_the_page_cache(cache):
     assert _resident_pages(shard) >= column_pages
 
 
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
+def test_read_ahead_covers_variable_length_columns(tmp_path):
+    write_photos(tmp_path / "photos", 16)
+    precache.run("images", tmp_path / "photos", tmp_path / "cache",
+                 params={"size": 96, "image_codec": "jpeg"}, workers=1, shard_rows=16,
+                 progress=False, log=lambda *a, **k: None)
+    dataset = CachedDataset(tmp_path / "cache", columns=["image"])
+    shard = precache.Cache(tmp_path / "cache").shard_path(0)
+    column = dataset._reader(0).variable()["image"]  # JPEG bytes, read in place
+    os.sync()
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    column_pages = column.run.nbytes // os.sysconf("SC_PAGE_SIZE")
+    assert column_pages > 8 and _resident_pages(shard) < column_pages
+    dataset.read_ahead(list(range(16)))
+    deadline = time.monotonic() + 30
+    while _resident_pages(shard) < column_pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(shard) >= column_pages
+    dataset.close()
+
+
 def _mapped_kb(paths: set[str]) -> int:
     """Resident kB of this process's mappings of ``paths`` (from /proc/self/smaps)."""
     total, counting = 0, False
