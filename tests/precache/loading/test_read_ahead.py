@@ -3,6 +3,7 @@ dataset asks the kernel to read them, and a process can unmap what it touched.""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -95,15 +96,16 @@ def test_read_ahead_covers_variable_length_columns(tmp_path):
     precache.run("images", tmp_path / "photos", tmp_path / "cache",
                  params={"size": 96, "image_codec": "jpeg"}, workers=1, shard_rows=16,
                  progress=False, log=lambda *a, **k: None)
-    dataset = CachedDataset(tmp_path / "cache", columns=["image"])
     shard = precache.Cache(tmp_path / "cache").shard_path(0)
-    column = dataset._reader(0).variable()["image"]  # JPEG bytes, read in place
-    os.sync()
+    gc.collect()
+    os.sync()  # dropped before it is mapped: a fault maps neighbouring cached pages too
     fd = os.open(shard, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    dataset = CachedDataset(tmp_path / "cache", columns=["image"])
+    column = dataset._reader(0).variable()["image"]  # JPEG bytes, read in place
     column_pages = column.run.nbytes // os.sysconf("SC_PAGE_SIZE")
     assert column_pages > 8 and _resident_pages(shard) < column_pages
     dataset.read_ahead(list(range(16)))
