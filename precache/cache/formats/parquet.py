@@ -30,6 +30,7 @@ import json
 import math
 import mmap
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,6 +49,10 @@ MAPPED_KINDS = ("ndarray", "scalar")
 """Column kinds written ready to map (fixed width per row)."""
 
 _ENDS = ColumnSpec("scalar", "int64")
+
+MAX_PAGE_BYTES = (1 << 31) - (1 << 20)
+"""The most bytes of one column a shard writes as one page (a page's size is an int32 in the
+file; a little is kept for the page's own lengths and header)."""
 
 
 class RaggedColumn:
@@ -452,6 +457,14 @@ class ParquetFormat(ShardFormat):
         table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(
             fields, metadata={SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}))
         rows = max(1, len(table))
+        largest = max(((array.nbytes, name) for name, array in arrays.items()), default=(0, ""))
+        one_page = largest[0] <= MAX_PAGE_BYTES
+        if not one_page:
+            warnings.warn(
+                f"{Path(path).name}: column {largest[1]!r} holds {largest[0]:,} bytes in this shard, "
+                f"more than one Parquet page can ({MAX_PAGE_BYTES:,}); the shard is written in "
+                "several pages and stage 2 decodes it instead of mapping it: pass a smaller "
+                "--shard-rows", stacklevel=2)
         pq.write_table(
             table,
             path,
@@ -460,8 +473,10 @@ class ParquetFormat(ShardFormat):
             column_encoding="PLAIN",
             write_statistics=[n for n, s in schema.items() if s.kind == "scalar"],
             row_group_size=rows,
-            data_page_size=1 << 62,  # one page per column: its values are one run in the file
-            **_ONE_PAGE_ROWS(rows),
+            # one page per column: its values are one run in the file; else pages of 1 MB,
+            # checked after every row (pyarrow checks a page's size between write batches)
+            **(dict(data_page_size=1 << 62, **_ONE_PAGE_ROWS(rows)) if one_page else
+               dict(write_batch_size=1)),
         )
 
     def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:

@@ -216,3 +216,19 @@ def test_verify_finds_a_flipped_byte_in_a_value_and_in_the_offsets(ragged_cache,
         flip(cache / shard.path, where(cache / shard.path))
         problems = precache.verify(cache)
         assert [p.path for p in problems] == [shard.path] and "checksum" in problems[0].reason
+
+
+def test_a_column_too_large_for_one_page_is_written_in_several_and_decoded(tmp_path, monkeypatch):
+    import precache.cache.formats.parquet as parquet_format
+
+    monkeypatch.setattr(parquet_format, "MAX_PAGE_BYTES", 1 << 20)  # instead of 2 GiB
+    rng = np.random.default_rng(4)
+    data = {"blob": [rng.bytes(100_000) for _ in range(30)], "label": np.arange(30)}
+    schema = {"blob": ColumnSpec("bytes"), "label": ColumnSpec("scalar", "int64")}
+    with pytest.warns(UserWarning, match="column 'blob' holds .* --shard-rows"):
+        ParquetFormat().write(tmp_path / "s.parquet", data, schema)
+    reader = ParquetFormat().open(tmp_path / "s.parquet", schema)
+    assert reader.mismatch(30) is None and "blob" not in reader.variable()
+    got = reader.read([29, 0, 7])
+    assert got["blob"] == [data["blob"][i] for i in (29, 0, 7)]
+    assert got["label"].tolist() == [29, 0, 7]
