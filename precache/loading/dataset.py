@@ -47,7 +47,7 @@ from precache.cache.formats.base import ShardReader
 from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
-__all__ = ["CachedDataset", "CachedBatch", "collate_samples"]
+__all__ = ["CachedDataset", "CachedBatch", "RaggedRows", "collate_samples"]
 
 Sample = dict[str, Any]
 
@@ -86,6 +86,25 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+class RaggedRows(list):
+    """A batch's rows of a ragged column: a list of 1-D arrays (views of the mapped shards)
+    that crosses to another process as one array and its row ends, not as one pickled array per
+    row (a DataLoader worker hands its batch to the training process that way; 256 small
+    pickles cost more than reading the rows)."""
+
+    def __reduce__(self) -> Any:
+        if not self:
+            return (RaggedRows, ())
+        flat = np.concatenate(self)
+        return (_ragged_rows, (flat, np.cumsum([len(row) for row in self])))
+
+
+def _ragged_rows(flat: np.ndarray, ends: np.ndarray) -> RaggedRows:
+    """``RaggedRows`` again, each row a view of ``flat``."""
+    starts = [0, *ends[:-1].tolist()]
+    return RaggedRows(flat[a:b] for a, b in zip(starts, ends.tolist()))
 
 
 class CachedBatch(list):
@@ -427,7 +446,8 @@ class CachedDataset:
         if lists and not storage_order and groups:  # storage order -> the order asked for
             back = np.argsort(np.concatenate([positions for _, positions, _ in groups]))
             lists = {name: [values[i] for i in back.tolist()] for name, values in lists.items()}
-        out.update(lists)
+        out.update({name: RaggedRows(values) if schema[name].kind == "ragged" else values
+                    for name, values in lists.items()})
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
         if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
             warmer = self._shard_warmer()

@@ -232,3 +232,28 @@ def test_a_column_too_large_for_one_page_is_written_in_several_and_decoded(tmp_p
     got = reader.read([29, 0, 7])
     assert got["blob"] == [data["blob"][i] for i in (29, 0, 7)]
     assert got["label"].tolist() == [29, 0, 7]
+
+
+def test_ragged_rows_cross_to_the_training_process_as_one_array(ragged_cache):
+    import pickle
+
+    from precache.loading import make_loader
+    from precache.loading.dataset import RaggedRows
+
+    everything = precache.Cache(ragged_cache).read_all(["key", "ids"])
+    truth = dict(zip(everything["key"], everything["ids"]))
+    dataset = CachedDataset(ragged_cache, columns=["key", "ids"])
+    batch = dataset.read_batch([5, 0, 59])
+    assert isinstance(batch["ids"], RaggedRows)
+    back = pickle.loads(pickle.dumps(batch["ids"]))  # what a DataLoader worker sends
+    assert [r.tolist() for r in back] == [r.tolist() for r in batch["ids"]]
+    assert all(r.dtype == np.uint16 for r in back) and back[0].base is back[2].base  # one array
+    loader = make_loader(dataset, 8, num_workers=2)
+    loader.set_epoch(0)
+    seen = {}
+    for got in loader:
+        for key, ids in zip(got["key"], got["ids"]):
+            seen[key] = ids
+    assert sorted(seen) == sorted(truth)
+    assert all(np.array_equal(seen[k], truth[k]) and seen[k].dtype == np.uint16 for k in truth)
+    dataset.close()
