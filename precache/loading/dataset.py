@@ -443,8 +443,13 @@ class CachedDataset:
                     else:
                         out[name][positions] = values
                 self._account(shard)
-        if lists and not storage_order and groups:  # storage order -> the order asked for
-            back = np.argsort(np.concatenate([positions for _, positions, _ in groups]))
+        # where each row read in storage order goes in the batch (needed only to reorder lists,
+        # or to name rows of an encoded column in storage order)
+        reorder = lists and not storage_order or self._encoded and storage_order
+        stored = (np.concatenate([positions for _, positions, _ in groups])
+                  if groups and reorder else None)
+        if lists and not storage_order and stored is not None:  # back to the order asked for
+            back = np.argsort(stored)
             lists = {name: [values[i] for i in back.tolist()] for name, values in lists.items()}
         out.update({name: RaggedRows(values) if schema[name].kind == "ragged" else values
                     for name, values in lists.items()})
@@ -457,8 +462,7 @@ class CachedDataset:
             for reader in self._readers.values():
                 reader.release_pages()
             self._mapped_read = 0
-        order = indices if not storage_order else np.concatenate(
-            [indices[positions] for _, positions, _ in groups]) if groups else indices
+        order = indices[stored] if storage_order and stored is not None else indices
         for name in self._encoded:
             out[name] = self._decode(name, out[name], order)
         return out

@@ -111,75 +111,70 @@ def _width(spec: ColumnSpec) -> int:
     return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
 
 
+def _single_page_run(file: pq.ParquetFile, data: Any, j: int, size: int,
+                     byte_array: bool = False) -> int | None:
+    """Where the values of column chunk ``j`` (of the one row group) start in the file, if the
+    chunk is required, uncompressed, not dictionary-encoded, one value a row, and a single data
+    page of exactly ``size`` bytes that fills the chunk after its header (the header says so:
+    type, both sizes); else ``None``. ``byte_array``: the column must also be a PLAIN
+    ``BYTE_ARRAY`` (a variable-length column). ``data``: the file's bytes (a memory map)."""
+    column, leaf = file.metadata.row_group(0).column(j), file.schema.column(j)
+    if (leaf.max_definition_level or leaf.max_repetition_level
+            or column.compression != "UNCOMPRESSED"
+            or column.dictionary_page_offset is not None
+            or column.num_values != file.metadata.num_rows
+            or byte_array and (leaf.physical_type != "BYTE_ARRAY"
+                               or not set(column.encodings) <= {"PLAIN", "RLE", "BIT_PACKED"})):
+        return None
+    start, total = column.data_page_offset, column.total_compressed_size
+    if start < 0 or start + total > len(data):
+        return None
+    try:
+        kind, unpacked, packed = _page_sizes(bytes(data[start:start + 32]))
+    except ValueError:
+        return None
+    if kind in (0, 3) and unpacked == packed == size and total > size:
+        return start + total - size
+    return None
+
+
 def mapped_offsets(file: pq.ParquetFile, data: Any,
                    schema: dict[str, ColumnSpec]) -> dict[str, int]:
-    """Byte offsets in the file of the value runs of the columns that can be mapped.
-
-    A column qualifies when it is a fixed-shape or scalar column in one row group, required,
-    uncompressed, and stored as a single PLAIN data page of exactly ``rows x width`` bytes:
-    the page header at the chunk's start says so (type, both sizes), and the header plus that
-    page fill the whole chunk. ``data``: the file's bytes (a memory map).
-    """
+    """Byte offsets in the file of the value runs of the columns that can be mapped: fixed-shape
+    or scalar columns in one row group, stored as a single PLAIN page of exactly ``rows x
+    width`` bytes (``_single_page_run``). ``data``: the file's bytes (a memory map)."""
     meta = file.metadata
-    if meta.num_row_groups != 1:
+    if meta.num_row_groups != 1 or meta.num_rows == 0:
         return {}
-    group, rows, found = meta.row_group(0), meta.num_rows, {}
+    found = {}
     for j in range(meta.num_columns):
-        column = group.column(j)
-        spec = schema.get(column.path_in_schema)
-        if spec is None or spec.kind not in MAPPED_KINDS or rows == 0:
-            continue
-        leaf = file.schema.column(j)
-        size = rows * _width(spec)
-        if (leaf.max_definition_level or leaf.max_repetition_level
-                or column.compression != "UNCOMPRESSED"
-                or column.dictionary_page_offset is not None or column.num_values != rows):
-            continue
-        start, total = column.data_page_offset, column.total_compressed_size
-        if start < 0 or start + total > len(data):
-            continue
-        try:
-            kind, unpacked, packed = _page_sizes(bytes(data[start:start + 32]))
-        except ValueError:
-            continue
-        if kind in (0, 3) and unpacked == packed == size and total > size:
-            found[column.path_in_schema] = start + total - size
+        name = meta.row_group(0).column(j).path_in_schema
+        spec = schema.get(name)
+        if spec is not None and spec.kind in MAPPED_KINDS:
+            offset = _single_page_run(file, data, j, meta.num_rows * _width(spec))
+            if offset is not None:
+                found[name] = offset
     return found
 
 
 def variable_runs(file: pq.ParquetFile, data: Any, schema: dict[str, ColumnSpec],
                   ends: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
     """``(offset, size)`` in the file of the PLAIN value run of each variable-length column
-    that can be read in place: one row group, required, uncompressed, PLAIN, a single data page
-    of exactly ``ends[name][-1]`` bytes that fills the chunk after its header. ``ends``: the
-    mapped ``<name>__ends`` column of each candidate."""
+    that can be read in place: a single PLAIN ``BYTE_ARRAY`` page of exactly
+    ``ends[name][-1]`` bytes (``_single_page_run``). ``ends``: the mapped ``<name>__ends``
+    column of each candidate."""
     meta = file.metadata
     if meta.num_row_groups != 1 or meta.num_rows == 0:
         return {}
-    group, rows, found = meta.row_group(0), meta.num_rows, {}
+    found = {}
     for j in range(meta.num_columns):
-        column = group.column(j)
-        name = column.path_in_schema
+        name = meta.row_group(0).column(j).path_in_schema
         spec = schema.get(name)
-        if spec is None or spec.kind not in VARIABLE_KINDS or name not in ends:
-            continue
-        leaf = file.schema.column(j)
-        size = int(ends[name][-1])
-        if (leaf.max_definition_level or leaf.max_repetition_level
-                or leaf.physical_type != "BYTE_ARRAY"
-                or column.compression != "UNCOMPRESSED"
-                or column.dictionary_page_offset is not None or column.num_values != rows
-                or not set(column.encodings) <= {"PLAIN", "RLE", "BIT_PACKED"}):
-            continue
-        start, total = column.data_page_offset, column.total_compressed_size
-        if start < 0 or start + total > len(data):
-            continue
-        try:
-            kind, unpacked, packed = _page_sizes(bytes(data[start:start + 32]))
-        except ValueError:
-            continue
-        if kind in (0, 3) and unpacked == packed == size and total > size:
-            found[name] = (start + total - size, size)
+        if spec is not None and spec.kind in VARIABLE_KINDS and name in ends:
+            size = int(ends[name][-1])
+            offset = _single_page_run(file, data, j, size, byte_array=True)
+            if offset is not None:
+                found[name] = (offset, size)
     return found
 
 
