@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import numpy as np
@@ -15,6 +17,15 @@ from skimage import data
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTING_PIPELINE = str(Path(__file__).with_name("counting_pipeline.py"))
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A Python file outside any package (``data/make_videos.py``, a training entry point) as a
+    module called ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def write_photos(folder: Path, count: int, seed: int = 0, size: int = 48) -> list[Path]:

@@ -95,14 +95,10 @@ def test_plain_srun_tasks_without_torchrun_form_one_group_across_nodes(slurm, fa
 @pytest.fixture(scope="module")
 def video_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A video-faces cache of 8 short sample videos (4 real, 4 fakes of them)."""
-    import importlib.util
-
-    from tests.conftest import precache_cli
+    from tests.conftest import load_script, precache_cli
 
     root = tmp_path_factory.mktemp("slurm_videos")
-    spec = importlib.util.spec_from_file_location("make_videos", REPO / "data" / "make_videos.py")
-    make_videos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_videos)
+    make_videos = load_script(REPO / "data" / "make_videos.py", "make_videos")
     make_videos.write_videos(root / "videos", per_label=4, seconds=1.0)
     done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
                         "--set", "size=32", "--set", "frames=4", "-q", timeout=300)

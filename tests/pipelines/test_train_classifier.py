@@ -4,7 +4,6 @@ once per epoch, also when a stopped run resumes on another number of ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,25 +13,18 @@ import numpy as np
 import pytest
 
 from precache.training.checkpoint import load_checkpoint
-from tests.conftest import precache_cli, run_torchrun
+from tests.conftest import load_script, precache_cli, run_torchrun
 from tests.pipelines.resume_checks import assert_each_sample_once_per_epoch, keys_per_epoch
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "pipelines" / "faces" / "train_classifier.py"
 
 
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def video_cache(tmp_path_factory) -> Path:
     """32 sample videos (16 real, 16 fakes of them), DFDC-style labels with ``original``."""
     root = tmp_path_factory.mktemp("classifier")
-    load(REPO / "data" / "make_videos.py", "make_videos").write_videos(
+    load_script(REPO / "data" / "make_videos.py", "make_videos").write_videos(
         root / "videos", per_label=16, seconds=1.5)
     done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
                         "--set", "size=64", "--set", "frames=16",
@@ -60,7 +52,7 @@ def test_the_classifier_learns_fakes_scored_per_video(video_cache, tmp_path) -> 
 
 
 def test_video_scores_metrics_and_the_split_keep_pairs_together() -> None:
-    train = load(TRAIN, "train_classifier")
+    train = load_script(TRAIN, "train_classifier")
     assert train.roc_auc([1, 1, 0, 0], [0.9, 0.8, 0.3, 0.1]) == 1.0
     assert train.roc_auc([1, 0, 1, 0], [0.9, 0.8, 0.3, 0.1]) == 0.75
     assert train.roc_auc([1, 0], [0.5, 0.5]) == 0.5
@@ -117,7 +109,7 @@ def test_videos_without_faces_are_listed_with_their_folder_label(tmp_path) -> No
     import av
 
     folder = tmp_path / "videos"
-    load(REPO / "data" / "make_videos.py", "make_videos").write_videos(folder, per_label=1,
+    load_script(REPO / "data" / "make_videos.py", "make_videos").write_videos(folder, per_label=1,
                                                                        seconds=0.5)
     (folder / "empty").mkdir()
     container = av.open(str(folder / "empty" / "wall.mp4"), "w")
@@ -135,6 +127,6 @@ def test_videos_without_faces_are_listed_with_their_folder_label(tmp_path) -> No
     assert done.returncode == 0, done.stdout + done.stderr
     from precache.cache import Cache
 
-    train = load(TRAIN, "train_classifier")
+    train = load_script(TRAIN, "train_classifier")
     generation = Cache(tmp_path / "cache").generation
     assert train.no_face_videos(str(tmp_path / "cache"), generation) == [("empty/wall.mp4", "empty")]

@@ -3,7 +3,6 @@ zooming, crossing faces, a cut; H.264 MP4, MJPEG AVI, a variable frame rate) and
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,16 +16,13 @@ import pytest
 from precache import CachedDataset
 from precache.cache import Cache
 from precache.ops.face_track import iou
-from tests.conftest import precache_cli
+from tests.conftest import load_script, precache_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def load_make_videos():
-    spec = importlib.util.spec_from_file_location("make_videos", REPO / "data" / "make_videos.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "data" / "make_videos.py", "make_videos")
 
 
 @pytest.fixture(scope="module")

@@ -281,14 +281,11 @@ def test_a_face_lost_between_detections_and_found_again_stays_one_track() -> Non
 
 
 def test_frames_seconds_apart_keep_every_face_and_say_when_they_cannot_be_linked(tmp_path) -> None:
-    import importlib.util
-
     from precache.ops.video_faces import VideoFaces
+    from tests.conftest import load_script
 
     root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("make_videos", root / "data" / "make_videos.py")
-    make_videos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_videos)
+    make_videos = load_script(root / "data" / "make_videos.py", "make_videos")
     truth = make_videos.write_videos(tmp_path / "videos", per_label=1, seconds=8)
     key = "real/real_000.mp4"  # a face gliding and bouncing: 2 s apart, boxes never overlap
     assert truth[key]["kind"] == "moving"

@@ -4,7 +4,6 @@ sampling stops at ``max_frames`` frames per video, with a warning."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,15 +17,13 @@ from precache.ops.face_crop import CropFace
 from precache.ops.face_track import Detection, Track
 from precache.ops.video_decode import read_frames
 from precache.ops.video_faces import VideoFaces
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def load_make_videos():
-    spec = importlib.util.spec_from_file_location("make_videos", REPO / "data" / "make_videos.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "data" / "make_videos.py", "make_videos")
 
 
 def write_face_video(path: Path, width: int, height: int, count: int, fps: int = 25) -> None:
