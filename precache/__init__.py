@@ -2,10 +2,10 @@
 
 Data flow, one folder per part::
 
-    pipeline.py, ops/        what a user writes: a named list of ops with parameters
-    build/                   stage 1: sources -> plan -> executors -> worker (ops -> one shard)
-      |                      each finished task is handed to the cache's write transaction
-      v
+    processing/              stage 1: what a user writes (pipeline.py: a named list of ops/,
+      |                      records.py) and what runs it: sources -> plan -> executors ->
+      |                      worker (ops -> one shard); each finished task is handed to the
+      v                      cache's write transaction
     cache/                   the contract: layout, manifest (written last), schema, formats/,
       |                      index and errors tables, lock, transaction, Cache (read access)
       v
@@ -16,9 +16,10 @@ Data flow, one folder per part::
     augment/, faces/         train-time FaceAugment over the cached landmarks and regions
     cli/                     the ``precache`` command: one module per subcommand
 
-Each layer imports only the layers below it. The main names are importable from here; they are
-loaded on first use (PEP 562), so ``import precache`` (and ``precache --version``) stays light and
-never imports torch.
+Each layer imports only the layers below it. The names a user writes in the first hour are
+importable from here; every other public name lives in its layer (``precache.processing``,
+``precache.cache``, ``precache.loading``, ``precache.training``). They are loaded on first use
+(PEP 562), so ``import precache`` (and ``precache --version``) stays light and never imports torch.
 """
 
 from __future__ import annotations
@@ -30,25 +31,21 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # stage 1
-    "run": "precache.build", "RunSummary": "precache.build", "RunError": "precache.errors",
-    "DEFAULT_SHARD_ROWS": "precache.build", "InputError": "precache.build.sources",
-    "Pipeline": "precache.pipeline", "PipelineError": "precache.pipeline",
-    "load_pipeline": "precache.pipeline", "Op": "precache.ops", "FunctionOp": "precache.ops",
-    "Skip": "precache.ops", "ragged": "precache.cache.schema",
+    "run": "precache.processing", "Pipeline": "precache.processing.pipeline",
+    "Op": "precache.processing.ops", "FunctionOp": "precache.processing.ops",
+    "Skip": "precache.processing.ops", "ragged": "precache.cache.schema",
     # the cache
-    "Cache": "precache.cache", "CacheBusyError": "precache.cache", "Manifest": "precache.cache",
-    "ManifestError": "precache.cache", "FORMATS": "precache.cache.formats",
-    "verify": "precache.cache.verify", "StorageError": "precache.storage",
+    "Cache": "precache.cache", "verify": "precache.cache.verify",
     # stage 2 (these import torch)
     "CachedDataset": "precache.loading", "make_loader": "precache.loading",
-    "CacheLoader": "precache.loading", "DistributedShardSampler": "precache.loading",
-    "DevicePrefetcher": "precache.loading", "PackedBlocks": "precache.loading",
-    "LengthBucketSampler": "precache.loading.buckets", "TokenCollate": "precache.loading.text",
     "FaceAugment": "precache.augment",
+    # errors a caller catches
+    "RunError": "precache.errors", "InputError": "precache.processing.sources",
+    "PipelineError": "precache.processing.pipeline", "CacheBusyError": "precache.cache",
 }
 """Public name -> the module that defines it."""
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
@@ -66,17 +63,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from precache.augment import FaceAugment
-    from precache.build import DEFAULT_SHARD_ROWS, RunSummary, run
-    from precache.build.sources import InputError
-    from precache.cache import Cache, CacheBusyError, Manifest, ManifestError
-    from precache.cache.formats import FORMATS
+    from precache.cache import Cache, CacheBusyError
     from precache.cache.schema import ragged
     from precache.cache.verify import verify
     from precache.errors import RunError
-    from precache.loading import (CachedDataset, CacheLoader, DevicePrefetcher,
-                                  DistributedShardSampler, PackedBlocks, make_loader)
-    from precache.loading.buckets import LengthBucketSampler
-    from precache.loading.text import TokenCollate
-    from precache.ops import FunctionOp, Op, Skip
-    from precache.pipeline import Pipeline, PipelineError, load_pipeline
-    from precache.storage import StorageError
+    from precache.loading import CachedDataset, make_loader
+    from precache.processing import run
+    from precache.processing.ops import FunctionOp, Op, Skip
+    from precache.processing.pipeline import Pipeline, PipelineError
+    from precache.processing.sources import InputError

@@ -1,6 +1,6 @@
 """Errors that more than one layer raises, and how a message quotes a value it cannot trust.
 
-``RunError`` lives here, not in ``precache.build``, so that the executors and the cache's write
+``RunError`` lives here, not in ``precache.processing``, so that the executors and the cache's write
 transaction can raise it without importing the runner that calls them."""
 
 from __future__ import annotations

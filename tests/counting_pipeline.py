@@ -11,8 +11,8 @@ import os
 import time
 from typing import Any
 
-from precache.ops import IMAGE_EXTENSIONS, DecodeImage, Op, ResizeCenterCrop, Sample
-from precache.pipeline import Pipeline
+from precache.processing.ops import IMAGE_EXTENSIONS, DecodeImage, Op, ResizeCenterCrop, Sample
+from precache.processing.pipeline import Pipeline
 
 
 def append_line(log: str, line: str) -> None:

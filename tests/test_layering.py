@@ -1,5 +1,5 @@
 """The package's import structure: no two modules import each other in a loop, data flows down
-the layers (build -> cache -> storage), and the main names import from ``precache`` without
+the layers (processing -> cache -> storage), and the main names import from ``precache`` without
 importing torch."""
 
 from __future__ import annotations
@@ -147,25 +147,30 @@ def test_no_precache_modules_import_each_other_in_a_loop() -> None:
     assert cycle is None, "import loop: " + " -> ".join(cycle or [])
 
 
+STAGE1_MACHINERY = ["precache.processing.runner", "precache.processing.plan",
+                    "precache.processing.worker", "precache.processing.executors",
+                    "precache.processing.sources"]
+
 LAYER_RULES = [
     # (modules under, must not import anything under)
-    ("precache.storage", ["precache.cache", "precache.build", "precache.ops", "precache.pipeline",
-                          "precache.records", "precache.loading", "precache.training",
-                          "precache.augment", "precache.faces", "precache.cli",
-                          "precache.threads"]),
-    ("precache.cache", ["precache.build", "precache.loading", "precache.training", "precache.cli",
-                        "precache.ops", "precache.pipeline", "precache.augment",
-                        "precache.records"]),
-    ("precache.build.executors", ["precache.build.runner", "precache.build.plan"]),
-    ("precache.build", ["precache.loading", "precache.training", "precache.cli",
-                        "precache.augment"]),
-    ("precache.ops", ["precache.build", "precache.loading", "precache.training", "precache.cli"]),
-    ("precache.pipeline", ["precache.build", "precache.loading", "precache.training",
-                           "precache.cli"]),
-    ("precache.records", ["precache.build", "precache.cache", "precache.loading",
-                          "precache.cli"]),
-    ("precache.loading", ["precache.build", "precache.cli", "precache.training"]),
-    ("precache.training", ["precache.build", "precache.cli"]),
+    ("precache.storage", ["precache.cache", "precache.processing", "precache.loading",
+                          "precache.training", "precache.augment", "precache.faces",
+                          "precache.cli", "precache.threads"]),
+    ("precache.cache", ["precache.processing", "precache.loading", "precache.training",
+                        "precache.cli", "precache.augment"]),
+    ("precache.processing.executors", ["precache.processing.runner", "precache.processing.plan"]),
+    # what a user writes (ops, pipeline, record files) sits below stage 1's machinery
+    ("precache.processing.ops", [*STAGE1_MACHINERY, "precache.processing.pipeline",
+                                 "precache.loading", "precache.training", "precache.cli"]),
+    ("precache.processing.pipeline", [*STAGE1_MACHINERY, "precache.loading", "precache.training",
+                                      "precache.cli"]),
+    ("precache.processing.records", [*STAGE1_MACHINERY, "precache.processing.ops",
+                                     "precache.processing.pipeline", "precache.cache",
+                                     "precache.loading", "precache.cli"]),
+    ("precache.processing", ["precache.loading", "precache.training", "precache.cli",
+                             "precache.augment"]),
+    ("precache.loading", ["precache.processing", "precache.cli", "precache.training"]),
+    ("precache.training", ["precache.processing", "precache.cli"]),
     ("precache.errors", ["precache."]),
     ("precache", ["pipelines", "precache.pipelines"]),
 ]
@@ -190,10 +195,10 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
 
 def test_the_layer_check_sees_function_level_imports(tmp_path: Path) -> None:
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from precache.build.runner import run\n"
+    path.write_text("def f():\n    from precache.processing.runner import run\n"
                     "    import pipelines.faces\n")
-    assert imports_of(path, "precache.cache.m", {"precache.build.runner"},
-                      top_level_only=False) == ["precache.build.runner", "pipelines.faces"]
+    assert imports_of(path, "precache.cache.m", {"precache.processing.runner"},
+                      top_level_only=False) == ["precache.processing.runner", "pipelines.faces"]
     assert imports_of(path, "precache.cache.m", set(), top_level_only=True) == []
 
 
@@ -204,8 +209,9 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("module", [
     "precache.errors", "precache.storage", "precache.cache", "precache.cache.transaction",
-    "precache.records", "precache.ops", "precache.pipeline", "precache.build",
-    "precache.build.executors", "precache.build.worker", "precache.loading", "precache.training",
+    "precache.processing.records", "precache.processing.ops", "precache.processing.pipeline",
+    "precache.processing", "precache.processing.executors", "precache.processing.worker",
+    "precache.loading", "precache.training",
     "precache.cli", "precache.pipelines.faces.pipeline"])
 def test_each_layer_imports_alone_in_a_fresh_interpreter(module: str) -> None:
     done = _python(f"import {module}")
@@ -219,6 +225,7 @@ def test_main_names_import_from_precache_without_torch_until_used() -> None:
         "assert 'torch' not in sys.modules, 'import precache or its CLI imported torch'\n"
         "from precache import CachedDataset, make_loader, run, Pipeline, Cache\n"
         "assert 'torch' in sys.modules\n"
+        "assert len(precache.__all__) <= 15, precache.__all__  # the first hour's names only\n"
         "missing = [n for n in precache.__all__ if getattr(precache, n, None) is None]\n"
         "assert not missing, missing\n"
         "import precache.loading, precache.loading.lightning\n"
@@ -226,7 +233,7 @@ def test_main_names_import_from_precache_without_torch_until_used() -> None:
         "assert precache.Cache is Cache and precache.loading.lightning.CacheDataModule\n"
         "print(run.__module__, Cache.__module__)\n")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["precache.build.runner", "precache.cache.reader"]
+    assert done.stdout.split() == ["precache.processing.runner", "precache.cache.reader"]
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -12,19 +12,19 @@ crop -> convex hulls of the facial regions. Columns (see ``precache.faces.topolo
 margin), ``score``, ``landmarks5`` (5 x 2, crop pixels), ``crop_affine`` (2 x 3, source -> crop),
 ``mesh`` (468 x 2, crop pixels, NaN if missing), ``has_mesh``, ``regions`` (R x K x 2 hulls),
 ``region_sizes``, ``orig_height``, ``orig_width``, ``label`` (the first folder under the input,
-``""`` at the top level, or from a metadata file: ``precache.ops.labels``; none with
+``""`` at the top level, or from a metadata file: ``precache.processing.ops.labels``; none with
 ``labels=none``). A photo without a face is skipped (``no_face``). With ``image_codec=jpeg`` or
 ``webp`` the crop is stored encoded at ``quality`` and ``CachedDataset`` decodes it.
 """
 
 from __future__ import annotations
 
-from precache.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op
-from precache.ops.face_crop import CropFace
-from precache.ops.face_detect import DetectFaces
-from precache.ops.face_mesh import FaceMesh, FaceRegions
-from precache.ops.image import DEFAULT_MAX_PIXELS
-from precache.pipeline import Pipeline
+from precache.processing.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op
+from precache.processing.ops.face_crop import CropFace
+from precache.processing.ops.face_detect import DetectFaces
+from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
+from precache.processing.ops.image import DEFAULT_MAX_PIXELS
+from precache.processing.pipeline import Pipeline
 
 
 def make_ops(

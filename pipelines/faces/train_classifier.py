@@ -48,7 +48,7 @@ from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import CachedDataset, DevicePrefetcher, as_nchw, make_loader
 from precache.loading.clips import ClipDataset, VideoFrameDataset
-from precache.ops.labels import Labels
+from precache.processing.ops.labels import Labels
 from precache.training import (OneCycleSchedule, log_lr, mixed_precision, open_keys_log,
                                open_lr_log, optimizer_step)
 from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint

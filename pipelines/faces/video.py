@@ -15,7 +15,7 @@ MediaPipe face mesh (IMAGE mode, per frame) -> region hulls -> the crop stored `
 Rows: one per (video, track, sampled frame), key ``<video>#t<track>#f<frame index>``. Columns:
 those of ``faces`` (``image``, ``box`` and ``landmarks5`` and ``crop_affine``, ``mesh``,
 ``regions``, ...), plus ``video``, ``track``, ``frame_index``, ``time_s``, ``detected``,
-``fps``, ``duration_s``, ``frame_count``, ``warning`` (see ``precache.ops.video_faces``), and
+``fps``, ``duration_s``, ``frame_count``, ``warning`` (see ``precache.processing.ops.video_faces``), and
 ``label`` (``original`` too with a metadata file). Stage 2: ``precache.loading.clips``.
 
 Memory: a video is decoded, detected, tracked and cropped as a stream, so a worker holds
@@ -27,10 +27,10 @@ max_frames=512 kept the first 20.5 s of 600.0 s; ..."); ``max_frames=0`` lifts t
 
 from __future__ import annotations
 
-from precache.ops import VIDEO_EXTENSIONS, EncodeImage, Labels, Op
-from precache.ops.face_mesh import FaceMesh, FaceRegions
-from precache.ops.video_faces import MAX_FRAMES, VideoFaces
-from precache.pipeline import Pipeline
+from precache.processing.ops import VIDEO_EXTENSIONS, EncodeImage, Labels, Op
+from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
+from precache.processing.ops.video_faces import MAX_FRAMES, VideoFaces
+from precache.processing.pipeline import Pipeline
 
 
 def make_ops(

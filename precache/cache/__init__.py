@@ -9,7 +9,7 @@
 - ``generations``: kept generations, reader leases, and what ``precache gc`` may delete.
 - ``reader``: ``Cache``, read access for stage 2 and tools; ``verify``, ``inspect``.
 
-It stores its bytes through ``precache.storage`` and never imports ``precache.build``.
+It stores its bytes through ``precache.storage`` and never imports ``precache.processing``.
 """
 
 from precache.cache.generations import GenerationError

@@ -1,7 +1,7 @@
 """Encoded image columns: JPEG or WebP bytes instead of raw pixels, decoded again in stage 2.
 
 A 128 px face crop is 48 KB raw and a few KB as JPEG at quality 95. Stage 1 encodes
-(``precache.ops.image.EncodeImage``) and records the codec in its op parameters; stage 2 finds
+(``precache.processing.ops.image.EncodeImage``) and records the codec in its op parameters; stage 2 finds
 the encoded columns in the manifest (``encoded_columns``) and decodes each row with a fast
 decoder: libjpeg-turbo through ``simplejpeg`` for JPEG, libwebp through OpenCV for WebP (not PIL,
 which is several times slower per image).

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 from precache import __version__
-from precache.build import RunError
-from precache.build.sources import InputError
+from precache.processing import RunError
+from precache.processing.sources import InputError
 from precache.cache import CacheBusyError
 from precache.cache.manifest import ManifestError
 from precache.cli import (bench_cmd, doctor_cmd, gc_cmd, inspect_cmd, preview_cmd, run_cmd,
                           tokenizer_cmd, verify_cmd)
 from precache.errors import DISK_FULL, disk_full
-from precache.pipeline import PipelineError
+from precache.processing.pipeline import PipelineError
 from precache.storage import StorageError
 
 __all__ = ["main"]

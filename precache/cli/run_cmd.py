@@ -6,11 +6,11 @@ import argparse
 import re
 import sys
 
-from precache.build import DEFAULT_SHARD_ROWS, RunSummary, default_workers, run
-from precache.build.sources import DEFAULT_MAX_INPUT_BYTES, format_bytes
+from precache.processing import DEFAULT_SHARD_ROWS, RunSummary, stage1_workers, run
+from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, format_bytes
 from precache.cache.formats import FORMATS
 from precache.cache.inspect import _size
-from precache.pipeline import PipelineError, available_pipelines, load_pipeline
+from precache.processing.pipeline import PipelineError, available_pipelines, load_pipeline
 
 EPILOG = """\
 examples:
@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", required=True,
                         help="cache to write: a directory or a URL (s3://, gs://, file://)")
     parser.add_argument("-j", "--workers", type=int, default=None,
-                        help=f"worker processes (default: the cores, here {default_workers()})")
+                        help=f"worker processes (default: the cores, here {stage1_workers()})")
     parser.add_argument("--format", choices=sorted(FORMATS), default="parquet",
                         help="shard format (default: parquet)")
     parser.add_argument("--shard-rows", type=int, default=None,

@@ -10,9 +10,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from precache.build.sources import list_inputs, read_bytes
-from precache.ops.base import Skip
-from precache.ops.text import TEXT_EXTENSIONS, DecodeText
+from precache.processing.sources import list_inputs, read_bytes
+from precache.processing.ops.base import Skip
+from precache.processing.ops.text import TEXT_EXTENSIONS, DecodeText
 
 __all__ = ["train_tokenizer", "MODELS"]
 

@@ -34,10 +34,10 @@ from precache.loading.dataset import collate_samples
 from precache.loading.sampler import DistributedShardSampler
 from precache.threads import pin_threads
 
-__all__ = ["make_loader", "CacheLoader", "default_workers", "IndexBatch", "ReadAheadBatches"]
+__all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches"]
 
 
-def default_workers() -> int:
+def loader_workers() -> int:
     """Worker processes for one rank: its share of the usable cores, minus one for the loop."""
     try:
         cores = len(os.sched_getaffinity(0))
@@ -210,7 +210,7 @@ def make_loader(
         dataset: a map-style dataset; with ``__getitems__`` a batch is one read per shard.
         batch_size: samples per batch on each rank.
         shuffle: shuffle by ``seed`` and epoch (the same order on every rank).
-        num_workers: DataLoader workers; default ``default_workers()``.
+        num_workers: DataLoader workers; default ``loader_workers()``.
         seed: seed of the epoch order and of the workers' random streams.
         drop_last: drop up to world_size - 1 samples per epoch instead of repeating as many.
         shard_window: shuffle shards, then samples within windows of this many shards (reads
@@ -227,7 +227,7 @@ def make_loader(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-    workers = default_workers() if num_workers is None else int(num_workers)
+    workers = loader_workers() if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
     sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,

@@ -51,10 +51,12 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import precache  # noqa: E402
+from precache.processing.pipeline import load_pipeline
+from precache.processing import RunSummary
 from precache.augment import FaceAugment  # noqa: E402
-from precache.build.sources import list_inputs  # noqa: E402
+from precache.processing.sources import list_inputs  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
-from precache.ops import Op, Skip  # noqa: E402
+from precache.processing.ops import Op, Skip  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,10 +72,10 @@ SEED = 0
 # Python 3.11: the server is never given the script's path. Each worker imports this script, which
 # is cheap once these are loaded.)
 PRELOAD = ["torch", "torch.utils.data", "cv2", "albumentations", "precache", "precache.loading",
-           "precache.augment", "precache.ops.face_detect", "precache.ops.face_mesh",
+           "precache.augment", "precache.processing.ops.face_detect", "precache.processing.ops.face_mesh",
            "precache.pipelines.faces.pipeline"]
 Sample = dict[str, Any]
-pipeline = precache.load_pipeline("faces")
+pipeline = load_pipeline("faces")
 
 
 def setup_ops() -> list[Op]:
@@ -136,7 +138,7 @@ def bare_pass(ops: list[Op], paths: list[str]) -> BarePass:
     return result
 
 
-def measure_run(samples: Path, output: Path, workers: int) -> tuple[float, precache.RunSummary]:
+def measure_run(samples: Path, output: Path, workers: int) -> tuple[float, RunSummary]:
     start = time.perf_counter()
     summary = precache.run("faces", samples, output, params=PARAMS, workers=workers,
                            progress=False, log=lambda *a, **k: None)
@@ -274,14 +276,14 @@ def _bench(work: Path, count: int, repeat: int, batch_size: int, naive_samples: 
     print(f"precache faces benchmark: {len(paths)} images made in {time.perf_counter() - t0:.1f} s "
           f"under {work}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cores available: "
-          f"{precache.build.default_workers()}, params {PARAMS}, repeats={repeat}\n")
+          f"{precache.processing.stage1_workers()}, params {PARAMS}, repeats={repeat}\n")
 
     # --- 1. stage 1 ---------------------------------------------------------------------------
     print("1. Stage 1: inputs/s (interleaved, best kept)\n\nrepeat  bare_1 s    w1 s    w2 s")
     ops = setup_ops()
     bare_pass(ops, paths[:8])  # warm-up: lazy library initialisation
     passes: list[BarePass] = []
-    runs: dict[int, list[tuple[float, precache.RunSummary]]] = {1: [], 2: []}
+    runs: dict[int, list[tuple[float, RunSummary]]] = {1: [], 2: []}
     cache = work / "cache"
     for r in range(repeat):
         passes.append(bare_pass(ops, paths))
@@ -347,7 +349,7 @@ def _bench(work: Path, count: int, repeat: int, batch_size: int, naive_samples: 
     speedups = [later(a) / n for _, n, a, _ in results]
     met = min(speedups) >= GOAL_SPEEDUP
     print(f"\nSummary ({len(paths)} images, {len(bare.rows)} faces cached at 128 px, "
-          f"{precache.build.default_workers()} cores):\n")
+          f"{precache.processing.stage1_workers()} cores):\n")
     md = [["stage 1: bare ops, 1 process", f"{rate['bare']:.2f} inputs/s", "reference"],
           ["stage 1: `precache.run` workers=1", f"{rate['w1']:.2f} inputs/s",
            f"{ratio_w1:.3f} x bare_1"],

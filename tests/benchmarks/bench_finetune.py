@@ -50,7 +50,7 @@ import precache
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
-from precache.ops.text import resolve_tokenizer
+from precache.processing.ops.text import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["baseline", "cache", "bucketing", "bf16", "compile", "ddp2"]

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the actors get this process's import path
 
 import precache  # noqa: E402
+from precache.processing import RunSummary
 from precache import Cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -49,7 +50,7 @@ def _quiet(*_: object) -> None:
     pass
 
 
-def timed_run(samples: Path, output: Path, executor: str) -> tuple[float, precache.RunSummary]:
+def timed_run(samples: Path, output: Path, executor: str) -> tuple[float, RunSummary]:
     shutil.rmtree(output, ignore_errors=True)
     start = time.perf_counter()
     summary = precache.run("faces", samples, output, params=PARAMS, workers=WORKERS,
@@ -82,7 +83,7 @@ def main() -> int:
         shutil.rmtree(samples, ignore_errors=True)
         load_make_samples()(samples, args.count)
         print(f"precache Ray benchmark: faces pipeline ({PARAMS}), {args.count} pictures, "
-              f"{WORKERS} workers, {precache.build.default_workers()} cores, ray "
+              f"{WORKERS} workers, {precache.processing.stage1_workers()} cores, ray "
               f"{ray.__version__}, best of {args.repeat}\n")
         print("repeat  local s  ray start s  ray s  ray stop s")
         local_s, start_s, ray_s, stop_s = [], [], [], []

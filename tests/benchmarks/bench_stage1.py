@@ -44,7 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # spawn-started workers inherit sys.path, so they find it too
 
 import precache  # noqa: E402
-from precache.build.sources import list_inputs  # noqa: E402
+from precache.processing import RunSummary
+from precache.processing.sources import list_inputs  # noqa: E402
 from precache.pipelines.images.pipeline import pipeline  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
@@ -159,7 +160,7 @@ class BareOps2:
         self.pool.join()
 
 
-def measure_run(input_dir: Path, output: Path, workers: int) -> tuple[Timing, precache.RunSummary]:
+def measure_run(input_dir: Path, output: Path, workers: int) -> tuple[Timing, RunSummary]:
     start = time.perf_counter()
     summary = precache.run(pipeline, input_dir, output, workers=workers, progress=False,
                            shard_rows=SHARD_ROWS, log=_quiet)
@@ -261,7 +262,7 @@ def _bench(work: Path, count: int, repeat: int) -> int:
     input_bytes = sum(i.size for i in inputs)
     print(f"precache stage-1 benchmark: {len(inputs)} images ({input_bytes / 1e6:.1f} MB) made in "
           f"{time.perf_counter() - t0:.1f} s under {work}")
-    print(f"python {sys.version.split()[0]}, cores available: {precache.build.default_workers()}, "
+    print(f"python {sys.version.split()[0]}, cores available: {precache.processing.stage1_workers()}, "
           f"shard_rows={SHARD_ROWS or 'default'}, repeats={repeat} (best kept, interleaved)\n")
 
     paths = [(i.key, i.locator) for i in inputs]
@@ -351,7 +352,7 @@ def _bench(work: Path, count: int, repeat: int) -> int:
     print(f"1%-changed re-runs computed exactly the changed inputs: "
           f"{'yes' if computed_ok else 'NO'} ({', '.join(f'{c}/{e}' for *_, c, e, _ in inc)})")
 
-    print(f"\nSummary ({len(inputs)} images, {precache.build.default_workers()} cores, "
+    print(f"\nSummary ({len(inputs)} images, {precache.processing.stage1_workers()} cores, "
           f"best of {repeat}):\n")
     md = [
         ["bare ops, 1 process (bare_1)", f"{bare_rate:.1f}", "1.000", "reference"],

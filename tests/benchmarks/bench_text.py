@@ -34,7 +34,7 @@ import precache
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
-from precache.ops.text import resolve_tokenizer
+from precache.processing.ops.text import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -66,9 +66,9 @@ from typing import Any, Callable
 import numpy as np
 
 from precache.cache.schema import ragged
-from precache.ops import FunctionOp
-from precache.ops.image import EncodeImage
-from precache.pipeline import Pipeline
+from precache.processing.ops import FunctionOp
+from precache.processing.ops.image import EncodeImage
+from precache.processing.pipeline import Pipeline
 
 SEED = 23
 VOCAB = 30522

@@ -46,13 +46,13 @@ import precache  # noqa: E402
 from precache.augment import FaceAugment  # noqa: E402
 from precache.cache.image_codec import encode_image  # noqa: E402
 from precache.loading.clips import ClipDataset  # noqa: E402
-from precache.ops import Skip  # noqa: E402
-from precache.ops.face_crop import CropFace  # noqa: E402
-from precache.ops.face_detect import DetectFaces  # noqa: E402
-from precache.ops.face_mesh import FaceMesh, FaceRegions  # noqa: E402
-from precache.ops.face_track import iou  # noqa: E402
-from precache.ops.video_decode import read_frames  # noqa: E402
-from precache.ops.video_faces import VideoFaces  # noqa: E402
+from precache.processing.ops import Skip  # noqa: E402
+from precache.processing.ops.face_crop import CropFace  # noqa: E402
+from precache.processing.ops.face_detect import DetectFaces  # noqa: E402
+from precache.processing.ops.face_mesh import FaceMesh, FaceRegions  # noqa: E402
+from precache.processing.ops.face_track import iou  # noqa: E402
+from precache.processing.ops.video_decode import read_frames  # noqa: E402
+from precache.processing.ops.video_faces import VideoFaces  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
 SIZE = 128

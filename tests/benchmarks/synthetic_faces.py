@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 
-from precache.ops import FunctionOp, Op
-from precache.pipeline import Pipeline
+from precache.processing.ops import FunctionOp, Op
+from precache.processing.pipeline import Pipeline
 
 
 def face_rows(sample: dict) -> list[dict]:

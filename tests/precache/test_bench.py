@@ -18,11 +18,11 @@ from precache.cli import main
 from precache.cli.bench import FlatColumn, GatherRows, default_worker_counts, export_columns
 from precache.cli.bench.measure import _run_epochs
 from precache.loading import CachedDataset
-from precache.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
+from precache.processing.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
 from tests.conftest import write_photos
 
 QUIET = dict(progress=False, log=lambda *a, **k: None)
-RAGGED = str(Path(__file__).parent / "build" / "ragged_pipeline.py")
+RAGGED = str(Path(__file__).parent / "processing" / "ragged_pipeline.py")
 
 
 def rename_image(sample: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import precache
+from precache.processing import RunSummary
 from precache.cache import GenerationError
 from precache.cache.generations import (LEASE_TTL_S, ReaderLease, collect, generation_path,
                                         kept_generations, live_leases)
@@ -33,7 +34,7 @@ from tests.conftest import (COUNTING_PIPELINE, REPO, launch_ranks, precache_cli,
 ROWS = 40
 
 
-def build(photos: Path, cache: Path | str, **options: object) -> precache.RunSummary:
+def build(photos: Path, cache: Path | str, **options: object) -> RunSummary:
     settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None, retention_s=0)
     return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
 

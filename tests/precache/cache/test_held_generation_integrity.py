@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import precache
+from precache.cache import ManifestError
+from precache.processing import RunSummary
 from precache.cache import GenerationError, ShardMismatchError
 from precache.errors import RunError
 from precache.loading import make_loader
@@ -21,7 +23,7 @@ from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
 ROWS = 40
 
 
-def build(photos: Path, cache: Path, **options: object) -> precache.RunSummary:
+def build(photos: Path, cache: Path, **options: object) -> RunSummary:
     settings = dict(workers=1, shard_rows=4, progress=False, log=lambda *a: None, retention_s=0)
     return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
 
@@ -162,10 +164,10 @@ def test_a_manifest_with_a_created_that_is_not_a_time_is_refused(tmp_path: Path)
 
 
 def test_a_mistyped_cache_path_is_not_called_an_interrupted_run(tmp_path: Path) -> None:
-    with pytest.raises(precache.ManifestError, match="does not exist; check the path"):
+    with pytest.raises(ManifestError, match="does not exist; check the path"):
         precache.Cache(tmp_path / "cahce")
     (tmp_path / "folder").mkdir()
-    with pytest.raises(precache.ManifestError, match="is not a precache cache") as e:
+    with pytest.raises(ManifestError, match="is not a precache cache") as e:
         precache.Cache(tmp_path / "folder")
     assert "interrupted" not in str(e.value)
     assert os.path.exists(tmp_path / "folder")

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import precache
+from precache.processing import RunSummary
 from precache.cache.generations import ReaderLease, kept_generations, live_leases
 from precache.storage import Store
 from precache.storage.lease import (LEASE_FILE, LeaseLost, WriterLease, pid_alive,
@@ -33,7 +34,7 @@ from precache.storage.lease import (LEASE_FILE, LeaseLost, WriterLease, pid_aliv
 from tests.conftest import (COUNTING_PIPELINE, REPO, precache_cli, read_calls, wait_until,
                             write_photos)
 
-SYNC_PIPELINE = str(REPO / "tests" / "precache" / "build" / "sync_pipeline.py")
+SYNC_PIPELINE = str(REPO / "tests" / "precache" / "processing" / "sync_pipeline.py")
 ROWS = 8
 
 # Run as pid 1 of a new PID namespace (with its own /proc): make the next pid argv[1], then run
@@ -89,7 +90,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def build(photos: Path, cache: Path, **options: object) -> precache.RunSummary:
+def build(photos: Path, cache: Path, **options: object) -> RunSummary:
     settings = dict(workers=1, shard_rows=4, progress=False, log=lambda *a: None, retention_s=0)
     return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 import precache
+from precache.processing import RunSummary
 from precache import RunError
 from precache.cache import MARKER, CacheLayout
 from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
 
 
-def build(photos: Path, out: Path, **options: object) -> tuple[precache.RunSummary, list[str]]:
+def build(photos: Path, out: Path, **options: object) -> tuple[RunSummary, list[str]]:
     lines: list[str] = []
     summary = precache.run(COUNTING_PIPELINE, photos, out, workers=1, progress=False,
                            log=lines.append, **options)

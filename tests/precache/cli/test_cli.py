@@ -14,7 +14,7 @@ import pytest
 from precache import Cache
 from tests.conftest import REPO, precache_cli, read_calls, wait_until
 
-SYNC_PIPELINE = str(REPO / "tests" / "precache" / "build" / "sync_pipeline.py")
+SYNC_PIPELINE = str(REPO / "tests" / "precache" / "processing" / "sync_pipeline.py")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,

@@ -14,8 +14,8 @@ import re
 
 import numpy as np
 
-from precache.ops import FunctionOp, Op
-from precache.pipeline import Pipeline
+from precache.processing.ops import FunctionOp, Op
+from precache.processing.pipeline import Pipeline
 
 FPS = 25.0  # time_s = frame / FPS
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from precache.ops import FunctionOp, Op
-from precache.pipeline import Pipeline
+from precache.processing.ops import FunctionOp, Op
+from precache.processing.pipeline import Pipeline
 
 
 def tiny_image(sample: dict) -> dict:

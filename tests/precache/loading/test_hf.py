@@ -21,11 +21,11 @@ import precache
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
-from precache.build.sources import InputError  # noqa: E402
+from precache.processing.sources import InputError  # noqa: E402
 from precache.cache import Cache  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
 from precache.loading.hf import ExactOnceBucketSampler, HFTokenCollate, to_hf_dataset  # noqa: E402
-from precache.ops.text import resolve_tokenizer  # noqa: E402
+from precache.processing.ops.text import resolve_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 JOB = REPO / "tests" / "precache" / "loading" / "hf_trainer_job.py"

@@ -26,6 +26,7 @@ import pyarrow.fs as pafs
 import pytest
 
 import precache
+from precache.processing import RunSummary
 from tests.conftest import COUNTING_PIPELINE, free_ports
 
 ACCESS_KEY, SECRET_KEY = "precache-test", "precache-test-secret"
@@ -146,7 +147,7 @@ def bucket(s3: S3Server) -> str:
     return s3.new_bucket()
 
 
-def build(photos: Path | str, output: str | Path, **options: object) -> precache.RunSummary:
+def build(photos: Path | str, output: str | Path, **options: object) -> RunSummary:
     """Run the counting pipeline (one worker, 8 inputs per shard) from ``photos`` into
     ``output``, quietly; ``options`` override those settings. A replaced generation's files go
     at once (``retention_s=0``; no reader holds them): tests of keeping them say so."""

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from precache import Cache, load_pipeline, verify
-from precache.build.sources import list_inputs
-from precache.build.worker import Task, WorkerConfig, init_worker, run_task
+from precache import Cache, verify
+from precache.processing.pipeline import load_pipeline
+from precache.processing.sources import list_inputs
+from precache.processing.worker import Task, WorkerConfig, init_worker, run_task
 from precache.cache import CacheLayout
 from precache.cache.inspect import describe_cache
 from precache.loading import CachedDataset

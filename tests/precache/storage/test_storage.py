@@ -8,7 +8,8 @@ import pyarrow.fs as pafs
 import pytest
 
 import precache
-from precache.build.sources import InputError, list_inputs
+from precache.cache import ManifestError
+from precache.processing.sources import InputError, list_inputs
 from precache.cache import CacheLayout
 from precache.storage import (StorageError, Store, is_remote, local_path, open_input_file,
                               read_remote_bytes, resolve)
@@ -52,7 +53,7 @@ def test_a_missing_bucket_and_refused_credentials_name_the_url_and_the_fix(
     with pytest.raises(StorageError, match=refused):
         precache.Cache(f"s3://{bucket}/c")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
-    with pytest.raises(precache.ManifestError, match="no manifest.json"):
+    with pytest.raises(ManifestError, match="no manifest.json"):
         precache.Cache(f"s3://{bucket}/c")
 
 

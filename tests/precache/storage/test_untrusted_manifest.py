@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from precache import Cache, ManifestError
+from precache import Cache
+from precache.cache import ManifestError
 from precache.loading import CachedDataset
 from tests.conftest import precache_cli, write_photos
 from tests.precache.storage.conftest import GcsServer, S3Server, build, upload_folder

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import precache
-from precache.build.sources import list_inputs
-from precache.records import parse_record, read_record, records_of
+from precache.processing.sources import list_inputs
+from precache.processing.records import parse_record, read_record, records_of
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from precache.ops.text import TEXT_EXTENSIONS, resolve_tokenizer  # noqa: E402
+from precache.processing.ops.text import TEXT_EXTENSIONS, resolve_tokenizer  # noqa: E402
 
 
 def quiet(*args, **kwargs):

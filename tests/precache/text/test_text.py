@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import precache
+from precache.processing import RunSummary
 from precache.loading import CachedDataset, make_loader
 from precache.loading.text import TokenCollate
-from precache.ops.text import resolve_tokenizer
+from precache.processing.ops.text import resolve_tokenizer
 
 pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
@@ -37,7 +38,7 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
-def run(corpus: Path, out: str, **params) -> precache.RunSummary:
+def run(corpus: Path, out: str, **params) -> RunSummary:
     return precache.run("text", corpus / "in", corpus / out, params=params, workers=2,
                         progress=False, log=lambda *a, **k: None)
 
@@ -77,7 +78,7 @@ def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(cor
 
 
 def test_ids_take_the_narrowest_width_that_holds_the_vocabulary():
-    from precache.ops.text import id_dtype
+    from precache.processing.ops.text import id_dtype
 
     assert [id_dtype(n) for n in (2, 256, 257, 30522, 65536, 65537)] == [
         np.uint8, np.uint8, np.uint16, np.uint16, np.uint16, np.uint32]

@@ -15,7 +15,7 @@ from precache.cache.formats.variable import VariableColumn, ends_column
 from precache.cache.schema import ColumnSpec, ragged, rows_to_columns
 from precache.loading import CachedDataset
 
-PIPELINE = str(Path(__file__).parents[2] / "build" / "ragged_pipeline.py")
+PIPELINE = str(Path(__file__).parents[2] / "processing" / "ragged_pipeline.py")
 
 SCHEMA = {
     "key": ColumnSpec("str"),

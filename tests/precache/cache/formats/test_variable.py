@@ -22,7 +22,7 @@ from precache.storage.hashing import file_checksum
 SCHEMA = {"ids": ColumnSpec("ragged", "uint16"), "wide": ColumnSpec("ragged", "int64"),
           "blob": ColumnSpec("bytes"), "key": ColumnSpec("str"),
           "label": ColumnSpec("scalar", "int64")}
-PIPELINE = str(Path(__file__).parents[2] / "build" / "ragged_pipeline.py")
+PIPELINE = str(Path(__file__).parents[2] / "processing" / "ragged_pipeline.py")
 
 
 def columns(n: int, seed: int = 0) -> dict:

@@ -1,8 +1,0 @@
-"""Where a run's tasks execute: ``local`` (this process plus spawned worker processes pulling
-from one queue) or ``ray`` (one Ray actor per worker). Both yield ``TaskResult``s as tasks finish
-and know nothing of the runner that consumes them."""
-
-from precache.build.executors.local import WorkerDied, largest_first, run_tasks
-from precache.build.executors.ray import require_ray, run_tasks_ray
-
-__all__ = ["run_tasks", "run_tasks_ray", "require_ray", "largest_first", "WorkerDied"]

@@ -1,0 +1,146 @@
+"""Local executor: this process and ``workers - 1`` spawned processes take tasks from one queue.
+
+The calling process works from the first moment, so the others' start-up (about half a second of
+imports and model loading each) overlaps with real work, and a small job is done before they are
+even ready. Whoever is free takes the next task (largest first), so workers finish together.
+A task's shard is committed by the process that ran it; a process that dies mid-task leaves no
+journal entry, so its task is simply redone by the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Iterator
+
+from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
+from precache.threads import threads_pinned
+
+__all__ = ["run_tasks", "largest_first", "WorkerDied"]
+
+_POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class WorkerDied(RuntimeError):
+    """A worker process died or failed outside any one input (the message says which)."""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this worker if the run's process dies (even by kill -9), so no
+    orphan goes on writing shards beside the next run (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int) -> None:
+    """Body of a spawned worker: set up the ops once, then run tasks until a ``None``."""
+    _die_with_parent(parent_pid)
+    try:
+        init_worker(config)
+    except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
+        results.put(("error", f"worker setup failed:\n{traceback.format_exc()}"))
+        return
+    while (task := tasks.get()) is not None:
+        try:
+            results.put(("ok", run_task(task)))
+        except Exception:  # noqa: BLE001 - e.g. disk full while committing the shard
+            results.put(("error", f"task {task.seq} failed:\n{traceback.format_exc()}"))
+            return
+
+
+@contextlib.contextmanager
+def _children_ignore_ctrl_c() -> Iterator[None]:
+    """Start children with SIGINT ignored (the setting survives exec), so Ctrl-C reaches only
+    this process, which stops them; otherwise each prints its own traceback, even mid-start."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _result(message: tuple[str, Any]) -> TaskResult:
+    kind, payload = message
+    if kind == "error":
+        raise WorkerDied(payload)
+    return payload
+
+
+def largest_first(tasks: list[Task]) -> list[Task]:
+    """Tasks by input bytes, largest first, so that no big task starts last."""
+    return sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
+
+
+def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
+    """Run ``tasks`` with ``workers`` processes in all (this one included); yield each result.
+
+    In one process tasks go in key order (so ``--fail-fast`` stops at the first failing input);
+    with more they go largest first (by input bytes) so that no big task starts last.
+
+    Raises:
+        WorkerDied: a spawned worker died (killed, out of memory, a crash in native code) or
+            could not set up its ops.
+    """
+    children = min(workers - 1, len(tasks) - 1)
+    with threads_pinned():  # spawned children inherit this one-thread environment
+        init_worker(config)
+        if children <= 0:
+            for task in tasks:
+                yield run_task(task)
+            return
+        context = multiprocessing.get_context("spawn")  # native models and fork do not mix
+        todo, results = context.Queue(), context.Queue()
+        todo.cancel_join_thread()  # tasks left behind by an abandoned run must not block exit
+        for task in largest_first(tasks):
+            todo.put(task)
+        for _ in range(children + 1):
+            todo.put(None)  # one stop sign per worker, this process included
+        procs = [context.Process(target=_child_main, args=(config, todo, results, os.getpid()),
+                                 daemon=True) for _ in range(children)]
+        with _children_ignore_ctrl_c():
+            for proc in procs:
+                proc.start()
+    try:
+        received = 0
+        while (task := todo.get()) is not None:
+            with threads_pinned():
+                result = run_task(task)
+            received += 1
+            yield result
+            while True:  # pass on what the children finished meanwhile
+                try:
+                    message = results.get_nowait()
+                except queue.Empty:
+                    break
+                received += 1
+                yield _result(message)
+        while received < len(tasks):
+            try:
+                message = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkerDied(f"worker process {dead[0].pid} died with exit code "
+                                     f"{dead[0].exitcode}") from None
+                continue
+            received += 1
+            yield _result(message)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()  # idle, still starting, or the run is being abandoned
+            proc.join()

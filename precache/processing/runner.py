@@ -1,0 +1,219 @@
+"""Stage-1 runner: list inputs, plan what changed, run the tasks on an executor, and hand each
+finished task to the cache's write transaction, which publishes index, errors table and manifest
+(last, atomically).
+
+Rules (also in the README):
+
+- **Incremental** (``plan``): an input is recomputed only if it is new, or its size or
+  modification time changed *and* its content hash differs from the cached ``source_hash``. Rows
+  of deleted and changed inputs are listed as deleted in their shard's manifest entry (no copy);
+  a shard more than half deleted is rewritten with its live rows.
+- **Fingerprint**: each op's name, version, parameters and model-file hashes, plus the shard
+  format. If it differs from the cache's, every input is recomputed; the old cache stays readable
+  until the new manifest replaces it.
+- **Resumable**: every finished task is committed as a shard plus a journal entry; a re-run after a
+  crash (even kill -9) adopts them and computes only the rest.
+- **Deterministic**: tasks are fixed runs of ``shard_rows`` inputs in key order and shards are
+  numbered by task, so the number of workers does not change the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from precache.processing.executors import WorkerDied, require_ray, run_tasks, run_tasks_ray
+from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
+from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
+from precache.processing.worker import WorkerConfig
+from precache.cache.fingerprint import fingerprint
+from precache.cache.formats import get_format
+from precache.cache.generations import DEFAULT_RETENTION_S
+from precache.cache.transaction import WriteTransaction
+from precache.errors import RunError
+from precache.processing.pipeline import Pipeline, load_pipeline
+
+__all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "stage1_workers"]
+
+def stage1_workers() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RunSummary:
+    """What a run did. Counts are over all inputs of the cache after the run. ``cache`` is the
+    cache's directory, or its URL (a ``str``) for a remote cache."""
+
+    cache: Path | str
+    inputs: int
+    ok: int
+    skipped: int
+    failed: int
+    rows: int
+    computed: int
+    reused: int
+    deleted: int
+    touched_shards: int
+    rewritten_shards: int
+    wall_s: float
+    cache_bytes: int
+    shard_bytes_written: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    errors_table: str = ""  # the errors table's name in the cache (errors-GGGGG.parquet)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Inputs computed per second of wall time."""
+        return self.computed / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _describe_failure(record: dict[str, Any]) -> str:
+    return (f"input '{record['locator']}' failed at stage '{record['stage']}': "
+            f"{record['error_type']}: {record['message']}")
+
+
+def run(
+    pipeline: Pipeline | str,
+    input: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    params: dict[str, Any] | None = None,
+    workers: int | None = None,
+    format: str = "parquet",
+    shard_rows: int | None = None,
+    overwrite: bool = False,
+    fail_fast: bool = False,
+    progress: bool = True,
+    log: Any = print,
+    executor: str = "local",
+    ray_address: str | None = None,
+    retention_s: float = DEFAULT_RETENTION_S,
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+) -> RunSummary:
+    """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
+
+    Args:
+        pipeline: a ``Pipeline``, or a name / ``module:attr`` / path that ``load_pipeline`` finds.
+        input: a folder of inputs, one input file, or a ``.txt`` list of paths.
+        output: the cache directory (created if missing), or a URL (``s3://bucket/cache``,
+            ``gs://``, ``file://``): the run then keeps its lock, journal and staging in a local
+            working directory (``precache.storage.work_dir_for``), uploads each finished
+            shard, and publishes the manifest last.
+        params: overrides of the pipeline's parameters.
+        workers: worker processes (default: the cores). 1 runs in this process. With
+            ``executor="ray"``: Ray actors (default: the CPUs of the Ray cluster).
+        format: ``parquet`` (default) or ``hdf5``.
+        shard_rows: inputs per task, and so rows per shard (one task is one shard). Default
+            the pipeline's (256; ``text``: 4096), or fewer for small runs so there are at least
+            32 shards (of at least 16).
+        overwrite: replace a cache of another pipeline (or a corrupt one) at ``output``.
+        fail_fast: stop at the first failed input (committed shards are kept for a re-run).
+        progress: show a progress bar.
+        log: where one-line messages go (``print`` by default).
+        executor: ``local`` (processes on this machine) or ``ray`` (one Ray actor per worker;
+            needs ``pip install 'precache[ray]'``).
+        ray_address: with ``executor="ray"``, the address of a running Ray cluster; ``None``
+            starts a local Ray for this run. On a cluster, ``output`` must be on storage
+            that every node sees at the same path: the actors write the shards.
+        retention_s: how long the files of the generation this run replaces are kept for
+            readers that still use it (default an hour; always while a reader holds it; see
+            ``precache gc``). 0 deletes them at once unless a reader holds them.
+        max_input_bytes: the most bytes one input may have (default 2 GiB). A bigger input
+            fails at stage ``read`` (checked before reading, and no read goes past it), as does
+            an input that is not a regular file (a FIFO, a device, a socket; a symlink to a
+            regular file is fine); the run goes on. Not part of the fingerprint: raising it
+            retries those inputs on the next run.
+
+    Returns:
+        A ``RunSummary``.
+
+    Raises:
+        InputError, PipelineError: bad input path, pipeline or parameters.
+        CacheBusyError: another run holds the cache.
+        RunError: the run cannot go on (fail-fast error, crashed worker, refused output).
+        StorageError: the output URL cannot be written (missing bucket, refused credentials).
+    """
+    start = time.perf_counter()
+    if isinstance(pipeline, str):
+        pipeline = load_pipeline(pipeline)
+    if shard_rows is not None and shard_rows <= 0:
+        raise ValueError(f"shard_rows must be positive, got {shard_rows}")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+    max_input_bytes = check_max_input_bytes(max_input_bytes)
+    if executor == "ray":
+        require_ray(ray_address)  # before any work
+    ray_workers = None if workers is None else max(1, workers)  # None: the cluster's CPUs
+    shard_format = get_format(format)
+    resolved = pipeline.resolve_params(params)
+    descriptions = [op.describe() for op in pipeline.build_ops(resolved)]
+    fp = fingerprint(descriptions, format)
+    inputs = list_inputs(input, pipeline.extensions)
+    workers = stage1_workers() if workers is None else max(1, workers)
+    transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
+                                   overwrite=overwrite, log=log, retention_s=retention_s)
+    with transaction as tx:
+        todo, kept = classify(inputs, tx.records, max_input_bytes)
+        deleted = len(set(tx.records) - {item.key for item in inputs})
+        log(f"precache: {len(inputs)} inputs: {len(kept)} unchanged, {len(todo)} to compute"
+            + (f", {deleted} deleted" if deleted else ""))
+
+        first_seq = tx.next_seq
+        tasks = make_tasks(todo, first_seq, shard_rows, pipeline.shard_rows or DEFAULT_SHARD_ROWS)
+        layout = tx.layout
+        config = WorkerConfig(pipeline=pipeline.ref or pipeline, params=resolved,
+                              cache_root=str(layout.root), cache_url=layout.url,
+                              format=format, fingerprint=fp,
+                              pipeline_name=pipeline.name, fail_fast=fail_fast,
+                              max_input_bytes=max_input_bytes)
+        written = 0
+        bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
+                   dynamic_ncols=True)
+        try:
+            # No name for the generator: an exception must close it (stopping the workers)
+            # at once, not when its traceback is freed, after the lock is released.
+            for result in (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
+                           if executor == "ray" else run_tasks(tasks, config, workers)):
+                if result.failure is not None:
+                    raise RunError(_describe_failure(result.failure) + " (--fail-fast); shards "
+                                   "finished so far are kept: re-run to resume")
+                tx.add(result.seq, result.shard, result.schema, journal=result.journal)
+                for record in result.records:
+                    kept[record["key"]] = record
+                if result.shard is not None:
+                    written += result.shard.bytes
+                bar.update(len(result.records))
+        except WorkerDied as e:
+            raise RunError(f"{e}\nfinished shards are kept: re-run the same command to resume "
+                           "(a worker killed, out of memory, or crashing in native code)") from None
+        except OSError as e:
+            raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
+                           "cause and re-run the same command to resume") from None
+        finally:
+            bar.close()
+
+        touched, rewritten = tx.drop_stale_rows(kept, shard_format, first_seq + len(tasks))
+        manifest = tx.publish(kept, pipeline_ref=pipeline.ref, params=resolved, ops=descriptions,
+                              shard_format=format, source=str(input))
+    wall = time.perf_counter() - start
+    cache_bytes = layout.store.total_bytes()
+    failures = [r for r in kept.values() if r["status"] == "failed"]
+    return RunSummary(
+        cache=layout.root if layout.url is None else layout.url,
+        inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
+        skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
+        computed=len(todo), reused=len(inputs) - len(todo),
+        deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,
+        cache_bytes=cache_bytes,
+        shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
+        errors_table=manifest.errors["path"],
+    )
