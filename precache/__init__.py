@@ -13,7 +13,8 @@ Data flow, one folder per part::
       ^
     loading/                 stage 2: CachedDataset, exact-once DDP sampler, make_loader
     training/                process groups, mixed precision and optimizer step, checkpoints
-    augment/, faces/         train-time FaceAugment over the cached landmarks and regions
+    augment/                 train-time FaceAugment over the cached landmarks and regions
+    faces/                   face models and geometry both stages share: MTCNN, the mesh topology
     cli/                     the ``precache`` command: one module per subcommand
 
 Each layer imports only the layers below it. The names a user writes in the first hour are

