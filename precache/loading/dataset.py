@@ -31,50 +31,24 @@ from __future__ import annotations
 
 import os
 import resource
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from precache.cache import Cache
-from precache.cache.image_codec import decode_image, encoded_columns
-from precache.cache.manifest import ManifestError
 from precache.cache.formats.base import ShardReader
+from precache.cache.image_codec import decode_image, encoded_columns
+from precache.loading.open_shards import OpenShards
+from precache.loading.pinned import open_pinned
 from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
 __all__ = ["CachedDataset", "CachedBatch", "RaggedRows", "collate_samples"]
 
 Sample = dict[str, Any]
-
-
-def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cache:
-    """The cache at ``path``, holding ``generation`` (a reader lease; default the current one).
-
-    Under ``torch.distributed`` with no generation given, rank 0 opens the current generation
-    and broadcasts its number, so every rank reads the same one even if stage 1 publishes
-    another in between; an error on rank 0 is raised on every rank (none waits forever)."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if generation is not None or not distributed:
-        return Cache(path, disk_cache=disk_cache, generation=generation, hold=True)
-    cache, box = None, [None]
-    if dist.get_rank() == 0:
-        try:
-            cache = Cache(path, disk_cache=disk_cache, hold=True)
-            box = [cache.generation]
-        except Exception as error:
-            box = [f"rank 0 could not open '{path}': {error}"]
-            dist.broadcast_object_list(box, src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):
-        raise ManifestError(box[0])
-    return cache if cache is not None else Cache(path, disk_cache=disk_cache,
-                                                 generation=box[0], hold=True)
 
 
 def _available_memory() -> int:
@@ -215,8 +189,6 @@ class CachedDataset:
             row_of.append(np.asarray(rows, dtype=np.int64))
         self._shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
         self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
-        self.max_decoded_bytes = max_decoded_bytes
-        self.max_open_shards = max(1, int(max_open_shards))
         self.release_mapped_bytes = release_mapped_bytes
         self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
         self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
@@ -227,10 +199,7 @@ class CachedDataset:
             _available_memory() // 2)
         self._warmer: ShardWarmer | None = None
         self._warmer_pid = 0
-        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
-        self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
-        self._decoded_total = 0
-        self._pid = os.getpid()
+        self._readers = OpenShards(self._cache.reader, max_open_shards, max_decoded_bytes)
         self._resident: dict[str, np.ndarray] | None = None
         self.resident = self._fits_in_memory() if resident is None else bool(resident)
         if self.resident and any(schema[c].kind in ("bytes", "ragged") for c in self.columns):
@@ -300,8 +269,6 @@ class CachedDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_readers"], state["_decoded"] = OrderedDict(), {}  # open files stay in this process
-        state["_decoded_total"] = 0
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
         state["_warmer"] = None  # a thread stays in its process
         return state
@@ -311,37 +278,18 @@ class CachedDataset:
             self._warmer, self._warmer_pid = ShardWarmer(), os.getpid()
         return self._warmer
 
-    def _forget_if_forked(self) -> None:
-        if self._pid != os.getpid():  # a forked worker: forget the parent's handles
-            self._readers, self._decoded, self._pid = OrderedDict(), {}, os.getpid()
-            self._decoded_total = 0
+    @property
+    def max_decoded_bytes(self) -> int:
+        """See the class docstring."""
+        return self._readers.max_decoded_bytes
 
-    def _reader(self, shard: int, checked: bool = False) -> ShardReader:
-        """Shard ``shard``'s open reader (``checked``: the caller ran ``_forget_if_forked``)."""
-        if not checked:
-            self._forget_if_forked()
-        reader = self._readers.get(shard)
-        if reader is None:
-            if len(self._readers) >= self.max_open_shards:
-                self._close_oldest()
-            reader = self._readers[shard] = self._cache.reader(shard)
-        self._readers.move_to_end(shard)
-        return reader
+    @property
+    def max_open_shards(self) -> int:
+        return self._readers.max_open
 
-    def _close_oldest(self) -> None:
-        oldest, reader = self._readers.popitem(last=False)
-        reader.close()
-        self._decoded_total -= self._decoded.pop(oldest, 0)
-
-    def _account(self, shard: int) -> None:
-        """Record what the shard's reader keeps; close the least recently used over the budget."""
-        kept = self._readers[shard].nbytes
-        self._decoded_total += kept - self._decoded.get(shard, 0)
-        self._decoded[shard] = kept
-        while self._decoded_total > self.max_decoded_bytes and len(self._readers) > 1:
-            if next(iter(self._readers)) == shard:
-                break
-            self._close_oldest()
+    def _reader(self, shard: int) -> ShardReader:
+        """Shard ``shard``'s open reader."""
+        return self._readers.get(shard)
 
     def _groups(self, indices: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """``(shard, positions in indices, rows in the shard)`` for each shard the indices
@@ -407,12 +355,11 @@ class CachedDataset:
             self.read_ahead(ahead)
         lists = {name: [] for name in self.columns if name not in out}  # in storage order
         start = 0
-        self._forget_if_forked()
         for shard, positions, rows in groups:
             if storage_order:  # this group's slots: the next len(rows) of the batch
                 positions = slice(start, start + len(rows))
                 start += len(rows)
-            reader = self._reader(shard, checked=True)
+            reader = self._readers.get(shard)
             views = reader.mapped()
             if views and rows[-1] >= len(next(iter(views.values()))):  # rows ascend: O(1)
                 raise IndexError(f"{self.path}: row {int(rows[-1])} of shard {shard} is past the "
@@ -442,7 +389,7 @@ class CachedDataset:
                         lists[name].extend(values)
                     else:
                         out[name][positions] = values
-                self._account(shard)
+                self._readers.account(shard)
         # where each row read in storage order goes in the batch (needed only to reorder lists,
         # or to name rows of an encoded column in storage order)
         reorder = lists and not storage_order or self._encoded and storage_order
@@ -505,7 +452,5 @@ class CachedDataset:
         if self._warmer is not None and self._warmer_pid == os.getpid():
             self._warmer.close()
         self._warmer = None
-        for reader in self._readers.values():
-            reader.close()
-        self._readers, self._decoded, self._decoded_total = OrderedDict(), {}, 0
+        self._readers.close()
         self._resident = None

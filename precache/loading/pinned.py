@@ -1,0 +1,38 @@
+"""The generation a dataset reads, the same on every rank: rank 0 opens the current one and
+broadcasts its number, so stage 1 publishing another in between cannot give two ranks two
+different caches (each rank then holds a reader lease on it)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from precache.cache import Cache
+from precache.cache.manifest import ManifestError
+from precache.storage.disk_cache import DiskCache
+
+__all__ = ["open_pinned"]
+
+
+def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cache:
+    """The cache at ``path``, holding ``generation`` (a reader lease; default the current one).
+
+    Under ``torch.distributed`` with no generation given, rank 0 opens the current generation
+    and broadcasts its number, so every rank reads the same one even if stage 1 publishes
+    another in between; an error on rank 0 is raised on every rank (none waits forever)."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if generation is not None or not distributed:
+        return Cache(path, disk_cache=disk_cache, generation=generation, hold=True)
+    cache, box = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            cache = Cache(path, disk_cache=disk_cache, hold=True)
+            box = [cache.generation]
+        except Exception as error:
+            box = [f"rank 0 could not open '{path}': {error}"]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ManifestError(box[0])
+    return cache if cache is not None else Cache(path, disk_cache=disk_cache,
+                                                 generation=box[0], hold=True)
