@@ -40,6 +40,7 @@ from torch.utils.data import default_collate
 
 from precache.cache import Cache
 from precache.cache.formats.base import ShardReader
+from precache.cache.formats.variable import FEW_ROWS
 from precache.cache.image_codec import decode_image, encoded_columns
 from precache.loading.open_shards import OpenShards
 from precache.loading.pinned import open_pinned
@@ -321,6 +322,35 @@ class CachedDataset:
         for shard, _, rows in groups:
             self._reader(shard).will_need(rows, self.columns)
 
+    def _lists_row_by_row(self, indices: np.ndarray, names: list[str]) -> dict[str, list] | None:
+        """The variable-length columns ``names`` of rows ``indices``, in that order, read one
+        row at a time (``VariableColumn.row_reader``): a shard costs one lookup, a row a few
+        Python operations, where reading by shard costs a dozen NumPy calls a shard. ``None``
+        if a shard holds one of them otherwise (an older cache): then they are read by shard."""
+        shards, rows = self._shard[indices].tolist(), self._row[indices].tolist()
+        distinct = list(dict.fromkeys(shards))  # each shard once
+        names_key = tuple(names)
+        readers: dict[int, list[Any]] = {}
+        row_bytes = 0.0
+        for shard, (reader, memo) in zip(distinct, self._readers.get_many(distinct)):
+            made = memo.get(names_key)
+            if made is None:
+                variable = reader.variable()
+                columns = [variable.get(name) for name in names]
+                if None in columns:
+                    return None
+                made = memo[names_key] = (
+                    [c.row_reader(buffers=n in self._encoded) for c, n in zip(columns, names)],
+                    sum(c.row_bytes for c in columns))
+            readers[shard] = made[0]
+            row_bytes += made[1]
+        self._mapped_read += int(row_bytes / max(1, len(readers)) * len(rows))  # about
+        if len(names) == 1:
+            one = {shard: made[0] for shard, made in readers.items()}
+            return {names[0]: [one[s](r) for s, r in zip(shards, rows)]}
+        return {name: [readers[s][k](r) for s, r in zip(shards, rows)]
+                for k, name in enumerate(names)}
+
     def read_batch(self, indices: Sequence[int], ahead: Sequence[int] | None = None,
                    storage_order: bool = False) -> dict[str, Any]:
         """Columns of the given rows: arrays of shape (len(indices), ...), in the given order.
@@ -348,12 +378,19 @@ class CachedDataset:
             spec = schema[name]
             if spec.kind in ("ndarray", "scalar"):
                 out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
-        groups = self._groups(indices)
-        if self._faulting:  # ask for every row at once: the disk serves them in parallel
+        listed = [name for name in self.columns if name not in out]
+        # a few rows of each of many shards: list columns row by row, in the order asked for
+        row_by_row = bool(listed) and (not out or not storage_order) and (
+            len(indices) < FEW_ROWS * len(self._cache.manifest.shards))
+        groups = self._groups(indices) if out or self._faulting or not row_by_row else None
+        if self._faulting and groups:  # ask for every row at once: the disk serves them in parallel
             self._will_need(groups)
         if ahead is not None:
             self.read_ahead(ahead)
-        lists = {name: [] for name in self.columns if name not in out}  # in storage order
+        in_order = self._lists_row_by_row(indices, listed) if row_by_row else None
+        if groups is None:  # unless some shard decodes them (then they are read by shard)
+            groups = [] if in_order is not None else self._groups(indices)
+        lists = {} if in_order is not None else {name: [] for name in listed}  # storage order
         start = 0
         for shard, positions, rows in groups:
             if storage_order:  # this group's slots: the next len(rows) of the batch
@@ -392,12 +429,13 @@ class CachedDataset:
                 self._readers.account(shard)
         # where each row read in storage order goes in the batch (needed only to reorder lists,
         # or to name rows of an encoded column in storage order)
-        reorder = lists and not storage_order or self._encoded and storage_order
+        reorder = lists and not storage_order or self._encoded and storage_order and not in_order
         stored = (np.concatenate([positions for _, positions, _ in groups])
                   if groups and reorder else None)
         if lists and not storage_order and stored is not None:  # back to the order asked for
             back = np.argsort(stored)
             lists = {name: [values[i] for i in back.tolist()] for name, values in lists.items()}
+        lists.update(in_order or {})
         out.update({name: RaggedRows(values) if schema[name].kind == "ragged" else values
                     for name, values in lists.items()})
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
@@ -409,7 +447,7 @@ class CachedDataset:
             for reader in self._readers.values():
                 reader.release_pages()
             self._mapped_read = 0
-        order = indices[stored] if storage_order and stored is not None else indices
+        order = indices[stored] if storage_order and stored is not None and not in_order else indices
         for name in self._encoded:
             out[name] = self._decode(name, out[name], order)
         return out

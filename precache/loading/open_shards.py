@@ -38,12 +38,31 @@ class OpenShards:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
+        self._memos: dict[int, dict[Any, Any]] = {}  # shard -> what callers derived from it
         self._pid = os.getpid()
 
     def get(self, shard: int) -> ShardReader:
         """Shard ``shard``'s reader, opened if it is not (closing the oldest past ``max_open``)."""
         if self._pid != os.getpid():  # a forked worker: the parent's handles are not ours
             self._forget()
+        return self._get(shard)
+
+    def get_many(self, shards: Iterable[int]) -> list[tuple[ShardReader, dict[Any, Any]]]:
+        """``(reader, memo)`` of each shard, as ``get`` (one process check for all): ``memo`` is a
+        dict for what a caller derives from the reader (e.g. row readers), dropped with it."""
+        if self._pid != os.getpid():
+            self._forget()
+        memos = self._memos
+        found = []
+        for shard in shards:
+            reader = self._get(shard)
+            memo = memos.get(shard)
+            if memo is None:
+                memo = memos[shard] = {}
+            found.append((reader, memo))
+        return found
+
+    def _get(self, shard: int) -> ShardReader:
         reader = self._readers.get(shard)
         if reader is None:
             if len(self._readers) >= self.max_open:
@@ -66,6 +85,7 @@ class OpenShards:
     def _close_oldest(self) -> None:
         oldest, reader = self._readers.popitem(last=False)
         reader.close()
+        self._memos.pop(oldest, None)
         self._decoded_total -= self._decoded.pop(oldest, 0)
 
     def __len__(self) -> int:
@@ -83,5 +103,5 @@ class OpenShards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_readers=OrderedDict(), _decoded={}, _decoded_total=0)
+        state.update(_readers=OrderedDict(), _decoded={}, _decoded_total=0, _memos={})
         return state

@@ -18,6 +18,8 @@ column raises instead of serving another row's bytes (a flipped byte in a value 
 from __future__ import annotations
 
 import mmap
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ import numpy as np
 from precache.cache.formats.base import contiguous_runs
 from precache.cache.schema import ColumnSpec
 
-__all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "PREFIX"]
+__all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "PREFIX", "FEW_ROWS"]
 
 VARIABLE_KINDS = ("ragged", "bytes", "str")
 """Column kinds whose rows differ in length."""
@@ -33,7 +35,8 @@ VARIABLE_KINDS = ("ragged", "bytes", "str")
 PREFIX = 4
 """Bytes of the length written before each row's value (Parquet PLAIN ``BYTE_ARRAY``)."""
 
-_FEW = 16  # fewer rows than this are found in plain Python: faster than NumPy's calls
+FEW_ROWS = 16
+"""Fewer rows of one shard than this are found in plain Python: faster than NumPy's calls."""
 
 
 def ends_column(name: str) -> str:
@@ -44,6 +47,16 @@ def ends_column(name: str) -> str:
 def row_ends(sizes: np.ndarray) -> np.ndarray:
     """Where each row ends in the PLAIN run, from the rows' value sizes in bytes."""
     return np.cumsum(np.asarray(sizes, dtype=np.int64) + PREFIX, dtype=np.int64)
+
+
+class _Items:
+    """``array[i]`` as a Python int (``ndarray.item``), indexable like a memoryview."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._item = array.item
+
+    def __getitem__(self, i: int) -> int:
+        return self._item(i)
 
 
 class VariableColumn:
@@ -74,6 +87,7 @@ class VariableColumn:
         self._lengths = np.ndarray((max(len(run) - PREFIX + 1, 0),), "<u4", run, strides=(1,))
         self.row_bytes = (len(run) / len(ends) - PREFIX) if len(ends) else 0.0
         self.typed: np.ndarray | None = None
+        self._row_readers: dict[bool, Callable[[int], Any]] = {}  # made on first use
         if spec.kind == "ragged":
             dtype = np.dtype(spec.dtype).newbyteorder("<")
             if PREFIX % itemsize == 0:  # every row starts at a multiple of itemsize: one view
@@ -99,56 +113,80 @@ class VariableColumn:
             self._damaged(int(rows[bad]), int(self._lengths[heads[bad]]), int(sizes[bad]))
         return heads + PREFIX, stops
 
-    def _span(self, row: int) -> tuple[int, int]:
-        """``spans`` of one row, in plain Python (for a few rows)."""
-        stop = self.ends.item(row)
-        start = (self.ends.item(row - 1) if row else 0) + PREFIX
-        written = self._lengths.item(start - PREFIX)
-        if written != stop - start:
-            self._damaged(row, written, stop - start)
-        return start, stop
-
     def _damaged(self, row: int, written: int, size: int) -> None:
         raise ValueError(f"{self.where}: row {row} says it holds {written} bytes, its offsets "
                          f"say {size}; the file is damaged: run `precache verify` on the cache "
                          "and rebuild it")
 
     def _bounds(self, rows: np.ndarray, unit: int) -> tuple[list[int], list[int]]:
-        """``spans`` as Python lists, in units of ``unit`` bytes (a few rows in plain Python:
-        NumPy's per-call cost would exceed the rows' own)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) < _FEW:
-            spans = [self._span(row) for row in rows.tolist()]
-            return [a // unit for a, _ in spans], [b // unit for _, b in spans]
+        """``spans`` as Python lists, in units of ``unit`` bytes."""
         starts, stops = self.spans(rows)
         if unit > 1:
             starts //= unit
             stops //= unit
         return starts.tolist(), stops.tolist()
 
+    def row_reader(self, buffers: bool = False) -> Callable[[int], Any]:
+        """``row -> value``: ``rows([row])[0]`` (``buffers([row])[0]`` with ``buffers``), checked
+        as ``spans`` checks, in plain Python. For a few rows of each of many shards: NumPy's
+        cost per call would exceed the rows' own. Made once per column."""
+        made = self._row_readers.get(buffers)
+        if made is None:
+            made = self._row_readers[buffers] = self._make_row_reader(buffers)
+        return made
+
+    def _make_row_reader(self, buffers: bool) -> Callable[[int], Any]:
+        # int64 ends as Python ints: a memoryview's item is faster than ndarray.item
+        end: Any = (memoryview(self.ends).cast("B").cast("q")
+                    if sys.byteorder == "little" and self.ends.flags.c_contiguous
+                    else _Items(self.ends))
+        length, damaged = self._lengths.item, self._damaged
+        if self.typed is not None and not buffers:  # the common case, inline: slices of a view
+            typed, size = self.typed, self.typed.itemsize
+
+            def typed_row(i: int) -> Any:
+                stop = end[i]
+                head = end[i - 1] if i else 0
+                if length(head) != stop - head - PREFIX:
+                    damaged(i, length(head), stop - head - PREFIX)
+                return typed[(head + PREFIX) // size:stop // size]
+            return typed_row
+        value = self._value_maker(buffers)
+
+        def row(i: int) -> Any:
+            stop = end[i]
+            head = end[i - 1] if i else 0
+            if length(head) != stop - head - PREFIX:
+                damaged(i, length(head), stop - head - PREFIX)
+            return value(head + PREFIX, stop)
+        return row
+
+    def _value_maker(self, buffers: bool) -> Callable[[int, int], Any]:
+        """``(start, stop) -> value`` of the bytes ``run[start:stop]``."""
+        data = self._data
+        if buffers:
+            return lambda a, b: data[a:b]
+        if self.typed is not None:
+            typed, size = self.typed, self.typed.itemsize
+            return lambda a, b: typed[a // size:b // size]
+        if self.spec.kind == "ragged":
+            run, dtype = self.run, self.dtype
+            return lambda a, b: run[a:b].view(dtype)
+        if self.spec.kind == "str":
+            return lambda a, b: str(data[a:b], "utf-8")
+        return lambda a, b: data[a:b].tobytes()
+
     def rows(self, rows: np.ndarray) -> list[Any]:
         """The rows' values: 1-D arrays viewing the file (ragged), ``bytes`` or ``str``."""
-        if self.typed is not None and len(rows) < _FEW:  # a small shard's few rows: inline
-            typed, size, end, length, out = self.typed, self.typed.itemsize, self.ends.item, \
-                self._lengths.item, []
-            for row in rows.tolist():
-                stop = end(row)
-                head = end(row - 1) if row else 0
-                if length(head) != stop - head - PREFIX:
-                    self._span(row)  # raises, saying so
-                out.append(typed[(head + PREFIX) // size:stop // size])
-            return out
+        if len(rows) < FEW_ROWS:  # a small shard's few rows
+            row = self.row_reader()
+            return [row(i) for i in np.asarray(rows).tolist()]
         if self.typed is not None:  # slices of one typed view
             typed = self.typed
             return [typed[i:j] for i, j in zip(*self._bounds(rows, typed.itemsize))]
         a, b = self._bounds(rows, 1)
-        if self.spec.kind == "ragged":
-            run, dtype = self.run, self.dtype
-            return [run[i:j].view(dtype) for i, j in zip(a, b)]
-        data = self._data
-        if self.spec.kind == "str":
-            return [str(data[i:j], "utf-8") for i, j in zip(a, b)]
-        return [data[i:j].tobytes() for i, j in zip(a, b)]
+        value = self._value_maker(False)
+        return [value(i, j) for i, j in zip(a, b)]
 
     def buffers(self, rows: np.ndarray) -> list[memoryview]:
         """The rows' bytes as views of the mapped file (for decoders that read a buffer)."""
