@@ -2,7 +2,7 @@
 finished task to the cache's write transaction, which publishes index, errors table and manifest
 (last, atomically).
 
-Rules (also in the README):
+Rules (also in docs/stage1.md, "What a re-run does"):
 
 - **Incremental** (``plan``): an input is recomputed only if it is new, or its size or
   modification time changed *and* its content hash differs from the cached ``source_hash``. Rows
