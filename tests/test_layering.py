@@ -241,3 +241,19 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'CachedDatasett'"):
         precache.CachedDatasett  # noqa: B018
+
+
+def test_no_test_file_imports_another_test_file_or_a_conftest() -> None:
+    """Tests share helpers through tests/helpers/ (and job or pipeline scripts beside them), so
+    collecting one test file never runs another's module code."""
+    tests = REPO / "tests"
+    modules = module_names(tests, "tests")
+    broken = []
+    for name, path in modules.items():
+        if not path.name.startswith("test_"):
+            continue
+        for target in imports_of(path, name, set(modules), top_level_only=False):
+            leaf = target.rsplit(".", 1)[-1]
+            if target.startswith("tests.") and (leaf.startswith("test_") or leaf == "conftest"):
+                broken.append(f"{name} imports {target}")
+    assert broken == []

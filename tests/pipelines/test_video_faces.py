@@ -16,7 +16,7 @@ import pytest
 from precache import CachedDataset
 from precache.cache import Cache
 from precache.processing.ops.face_track import iou
-from tests.conftest import load_script, precache_cli
+from tests.helpers import load_script, precache_cli
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,8 @@ from precache.cli.bench import FlatColumn, GatherRows, default_worker_counts, ex
 from precache.cli.bench.measure import _run_epochs
 from precache.loading import CachedDataset
 from precache.processing.ops import DecodeImage, FunctionOp, Op, ResizeCenterCrop
-from tests.conftest import write_photos
+from tests.helpers import build_cache, write_photos
 
-QUIET = dict(progress=False, log=lambda *a, **k: None)
 RAGGED = str(Path(__file__).parent / "processing" / "ragged_pipeline.py")
 
 
@@ -42,8 +41,7 @@ NO_IMAGE = precache.Pipeline(name="no_image", make_ops=_no_image_ops,
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bench")
     write_photos(root / "photos", 64)
-    precache.run("images", root / "photos", root / "cache", params={"size": 32}, workers=1,
-                 **QUIET)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 32}, workers=1)
     return root
 
 
@@ -83,7 +81,7 @@ def test_bench_reports_every_rate_ratio_recommendation_and_worker_rss(root, caps
 
 
 def test_a_cache_without_images_skips_the_per_file_loader(root, tmp_path, capsys):
-    precache.run(NO_IMAGE, root / "photos", tmp_path / "cache", workers=1, **QUIET)
+    build_cache(root / "photos", tmp_path / "cache", pipeline=NO_IMAGE, workers=1)
     result = bench_json(capsys, str(tmp_path / "cache"), "--workers", "0",
                         "--columns", "key,pixels")
     assert "no 'image' column" in result["per_file"]["skipped"]
@@ -145,7 +143,7 @@ def ragged_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for i in range(40):
         name = f"t{i:02d}{'é' if i == 5 else ''}.txt"
         (root / "in" / name).write_bytes(("word " * (i % 7)).encode() + b"z" * (i % 2))
-    precache.run(RAGGED, root / "in", root / "cache", workers=1, shard_rows=10, **QUIET)
+    build_cache(root / "in", root / "cache", pipeline=RAGGED, workers=1, shard_rows=10)
     return root / "cache"
 
 
@@ -208,8 +206,8 @@ def test_bench_reports_the_limit_for_ragged_and_str_columns(ragged_cache, capsys
 
 
 def test_the_limit_decodes_a_jpeg_column_as_cached_dataset_does(root, tmp_path, capsys):
-    precache.run("images", root / "photos", tmp_path / "cache", workers=1,
-                 params={"size": 16, "image_codec": "jpeg"}, **QUIET)
+    build_cache(root / "photos", tmp_path / "cache", pipeline="images", workers=1,
+                params={"size": 16, "image_codec": "jpeg"})
     cache = precache.Cache(tmp_path / "cache")
     assert cache.manifest.schema["image"].kind == "bytes"
     columns = ["image", "key", "orig_width"]

@@ -1,5 +1,5 @@
 """FaceAugment on a real face: scikit-image's astronaut, cropped to 128 px, with MediaPipe's mesh,
-the cached region hulls, and landmarks5 derived from the mesh."""
+the cached region hulls, and landmarks5 derived from the mesh (the ``face`` fixture, conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from skimage import data
 
 from precache.augment import FaceAugment
 from precache.faces import topology
@@ -20,26 +19,6 @@ OFF = dict(flip_p=0.0, affine_p=0.0, color_p=0.0, blur_p=0.0, cutout_p=0.0,
            region_color_p=0.0, region_blur_p=0.0, occlude_p=0.0)
 POINTS = ("landmarks5", "mesh", "regions")
 EYES = ("left_eye", "right_eye")
-
-
-@pytest.fixture(scope="module")
-def face() -> dict[str, Any]:
-    """The astronaut's face as stage 1 caches it (mesh in MediaPipe's ``x * w`` pixels)."""
-    import mediapipe as mp
-
-    image = cv2.resize(np.ascontiguousarray(data.astronaut()[0:230, 100:330]), (S, S),
-                       interpolation=cv2.INTER_AREA)
-    with mp.solutions.face_mesh.FaceMesh(static_image_mode=True, max_num_faces=1) as mesher:
-        found = mesher.process(image).multi_face_landmarks
-    assert found, "MediaPipe found no face in the astronaut crop"
-    mesh = np.array([[p.x * S, p.y * S] for p in found[0].landmark[: topology.MESH_POINTS]],
-                    dtype=np.float32)
-    regions, sizes = topology.region_hulls(mesh)
-    eye = {n: mesh[topology.MESH_REGIONS[n]].mean(axis=0) for n in EYES}
-    landmarks5 = np.stack([eye["right_eye"], eye["left_eye"], mesh[1], mesh[61], mesh[291]])
-    assert landmarks5[0, 0] < landmarks5[1, 0] and landmarks5[3, 0] < landmarks5[4, 0]
-    return {"key": "astronaut", "image": image, "landmarks5": landmarks5.astype(np.float32),
-            "mesh": mesh, "has_mesh": np.bool_(True), "regions": regions, "region_sizes": sizes}
 
 
 def only(**params: Any) -> FaceAugment:

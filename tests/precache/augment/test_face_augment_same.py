@@ -1,5 +1,5 @@
 """FaceAugment.same: one random draw for several samples (the frames of a clip, a real/fake pair),
-on the astronaut's face of test_face_augment.py (MediaPipe mesh, cached region hulls)."""
+on the astronaut's face (the ``face`` fixture of conftest.py: MediaPipe mesh, cached region hulls)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import numpy as np
 import pytest
 
 from precache.augment import FaceAugment
-from tests.precache.augment import test_face_augment
-
-face = test_face_augment.face  # the astronaut fixture, shared
 
 ALL = dict(flip_p=0.5, affine_p=0.9, color_p=0.8, blur_p=0.5, cutout_p=0.8, region_color_p=0.6,
            region_blur_p=0.5, occlude_p=0.5)

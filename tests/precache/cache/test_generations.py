@@ -11,7 +11,6 @@ import os
 import pickle
 import time
 import signal
-import subprocess
 import sys
 import threading
 from collections import Counter
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 
 import precache
-from precache.processing import RunSummary
 from precache.cache import GenerationError
 from precache.cache.generations import (LEASE_TTL_S, ReaderLease, collect, generation_path,
                                         kept_generations, live_leases)
@@ -28,23 +26,10 @@ from precache.cache.layout import CacheLayout
 from precache.cache.lock import CacheLock
 from precache.cache.reader import load_manifest
 from precache.storage import Store
-from tests.conftest import (COUNTING_PIPELINE, REPO, launch_ranks, precache_cli, wait_until,
-                            write_photos)
-
-ROWS = 40
-
-
-def build(photos: Path, cache: Path | str, **options: object) -> RunSummary:
-    settings = dict(workers=1, shard_rows=8, progress=False, log=lambda *a: None, retention_s=0)
-    return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
-
-
-def change_most_inputs(photos: Path) -> None:
-    """Rewrite 80% of the inputs with other pixels (32 of 40)."""
-    changed = write_photos(photos.parent / "changed", ROWS, seed=99)
-    for old, new in zip(sorted(photos.iterdir())[:32], sorted(changed)[:32]):
-        old.write_bytes(new.read_bytes())
-
+from tests.helpers import launch_ranks, precache_cli, wait_until, write_photos
+from tests.helpers import build_counting as build
+from tests.helpers.generations import (ROWS, assert_generation_1_removed, change_most_inputs,
+                                       start_holder)
 
 def keys_of(cache: Path | str, generation: int | None = None) -> list[str]:
     dataset = precache.CachedDataset(cache, columns=["key"], generation=generation)
@@ -56,25 +41,6 @@ def keys_of(cache: Path | str, generation: int | None = None) -> list[str]:
 
 def shard_files(cache: Path) -> set[str]:
     return {p.name for p in (cache / "shards").iterdir()}
-
-
-HOLDER = """
-import sys
-from precache import Cache
-cache = Cache(sys.argv[1], hold=True)
-print(cache.generation, flush=True)
-sys.stdin.readline()  # until the test says go
-for i in range(len(cache.manifest.shards)):
-    reader = cache.reader(i)
-    print(len(reader.read(columns=["key"])["key"]), flush=True)
-"""
-
-
-def start_holder(cache: Path | str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache)], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline().strip() == "1", proc.stderr.read()
-    return proc
 
 
 def test_a_reader_keeps_its_generation_through_a_rerun_and_gc_waits_for_it(tmp_path: Path) -> None:
@@ -227,20 +193,6 @@ def test_a_reader_of_a_removed_generation_gets_one_line_naming_the_missing_shard
     change_most_inputs(photos)
     build(photos, cache)  # retention 0, no lease: generation 1's changed shards go at once
     assert_generation_1_removed(cache, unheld, 0)
-
-
-def assert_generation_1_removed(cache: Path | str, unheld: precache.Cache, shard: int) -> None:
-    """Generation 1 of ``cache`` (current: 2) is gone: reading shard ``shard`` through a reader
-    that held nothing, and opening generation 1, are one-line ``GenerationError``s."""
-    with pytest.raises(GenerationError) as caught:
-        unheld.reader(shard)
-    assert str(caught.value) == (
-        f"generation 1 of '{cache}' was removed (by `precache gc`, --overwrite, or a re-run "
-        f"after the retention period): {unheld.manifest.shards[shard].path} is gone; reopen "
-        "the cache to read generation 2")
-    with pytest.raises(GenerationError, match=r"^'.*' has no generation 1 any more \(kept: 2; "
-                                              r"current: 2\); read the current one"):
-        precache.Cache(cache, generation=1)
 
 
 def test_holding_a_generation_that_gc_removed_meanwhile_fails_and_holds_nothing(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,18 +15,15 @@ import pytest
 
 import precache
 from precache.cache import ManifestError
-from precache.processing import RunSummary
 from precache.cache import GenerationError, ShardMismatchError
 from precache.errors import RunError
 from precache.loading import make_loader
-from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
+from tests.helpers import COUNTING_PIPELINE, build_counting, precache_cli, write_photos
 
 ROWS = 40
 
 
-def build(photos: Path, cache: Path, **options: object) -> RunSummary:
-    settings = dict(workers=1, shard_rows=4, progress=False, log=lambda *a: None, retention_s=0)
-    return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
+build = partial(build_counting, shard_rows=4)
 
 
 def rows_of(cache: Path, generation: int | None = None) -> dict[str, np.ndarray]:

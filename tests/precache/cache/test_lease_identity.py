@@ -21,18 +21,18 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 import precache
-from precache.processing import RunSummary
 from precache.cache.generations import ReaderLease, kept_generations, live_leases
 from precache.storage import Store
 from precache.storage.lease import (LEASE_FILE, LeaseLost, WriterLease, pid_alive,
                                     process_identity, start_time)
-from tests.conftest import (COUNTING_PIPELINE, REPO, precache_cli, read_calls, wait_until,
-                            write_photos)
+from tests.helpers import (REPO, build_cache, build_counting, precache_cli, read_calls, wait_until,
+                           write_photos)
 
 SYNC_PIPELINE = str(REPO / "tests" / "precache" / "processing" / "sync_pipeline.py")
 ROWS = 8
@@ -90,9 +90,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def build(photos: Path, cache: Path, **options: object) -> RunSummary:
-    settings = dict(workers=1, shard_rows=4, progress=False, log=lambda *a: None, retention_s=0)
-    return precache.run(COUNTING_PIPELINE, photos, cache, **{**settings, **options})
+build = partial(build_counting, shard_rows=4)
 
 
 def shard_files(cache: Path) -> set[str]:
@@ -327,8 +325,7 @@ def interrupted_rerun(tmp_path: Path, call_log: Path) -> tuple[Path, Path, set[s
     (8 inputs); the call log is emptied."""
     photos, cache = tmp_path / "photos", tmp_path / "cache"
     write_photos(photos, 16)
-    precache.run(SYNC_PIPELINE, photos, cache, workers=1, shard_rows=4, progress=False,
-                 log=lambda *a: None)
+    build_cache(photos, cache, pipeline=SYNC_PIPELINE, workers=1, shard_rows=4)
     committed = kill_after(start_killable_run(photos, cache, tmp_path / "never"),
                            cache / "journal", 2)
     assert len(committed) == 2 and committed <= shard_files(cache)

@@ -13,13 +13,12 @@ import precache
 from precache.processing import RunSummary
 from precache import RunError
 from precache.cache import MARKER, CacheLayout
-from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
+from tests.helpers import COUNTING_PIPELINE, build_cache, precache_cli, write_photos
 
 
 def build(photos: Path, out: Path, **options: object) -> tuple[RunSummary, list[str]]:
     lines: list[str] = []
-    summary = precache.run(COUNTING_PIPELINE, photos, out, workers=1, progress=False,
-                           log=lines.append, **options)
+    summary = build_cache(photos, out, workers=1, log=lines.append, **options)
     return summary, lines
 
 
@@ -118,8 +117,7 @@ def test_a_folder_holding_only_a_dead_runs_lock_is_taken(tmp_path):
 def test_overwrite_of_another_pipelines_cache_removes_only_precache_files(tmp_path):
     write_photos(tmp_path / "photos", 6)
     out = tmp_path / "out"
-    precache.run("images", tmp_path / "photos", out, workers=1, progress=False,
-                 log=lambda *a: None)
+    build_cache(tmp_path / "photos", out, pipeline="images", workers=1)
     old_shards = {p.name for p in (out / "shards").iterdir()}
     plant(out, USER_FILES)
     with pytest.raises(RunError, match="holds a cache of pipeline 'images'"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from precache import Cache
-from tests.conftest import REPO, precache_cli, read_calls, wait_until
+from tests.helpers import REPO, precache_cli, read_calls, wait_until
 
 SYNC_PIPELINE = str(REPO / "tests" / "precache" / "processing" / "sync_pipeline.py")
 

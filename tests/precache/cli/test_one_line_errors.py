@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from precache import Cache
-from tests.conftest import COUNTING_PIPELINE, REPO, precache_cli, write_photos
+from tests.helpers import COUNTING_PIPELINE, REPO, precache_cli, write_photos
 
 DRIVER = "tests.precache.cli.test_one_line_errors"  # run as a module: the disk-full driver
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from precache.loading.buckets import LengthBucketSampler
+from tests.helpers.sampling import padded
 
 RNG = np.random.default_rng(5)
 LENGTHS = RNG.integers(5, 500, 1003)  # like documents: a wide spread of lengths
@@ -31,13 +32,6 @@ def epoch(world: int, batch: int, epoch_no: int = 0, state: dict | None = None,
 def flat(per_rank: list[list[list[int]]], batches: int | None = None) -> list[int]:
     """The samples of every rank's first ``batches`` batches (all of them by default)."""
     return [i for rank in per_rank for b in rank[:batches] for i in b]
-
-
-def padded(samples: list[int], global_batch: int) -> Counter:
-    """What the documentation promises for a plan over ``samples``: each once, and the first
-    ones (in index order) once more, as many as fill the last global batch."""
-    left = sorted(samples)
-    return Counter(left + left[: -len(left) % global_batch])
 
 
 def save(world: int, batch: int, batches: int, epoch_no: int, state: dict | None = None) -> dict:

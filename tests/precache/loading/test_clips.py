@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import precache
-from tests.conftest import launch_ranks
+from tests.helpers import build_cache, launch_ranks
 from tests.precache.loading.clip_pipeline import FPS, pixel_code, video_number
 
 PIPELINE = str(Path(__file__).with_name("clip_pipeline.py"))
@@ -40,8 +40,8 @@ def build(root: Path, videos: dict, format: str = "parquet") -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"label": label,
                                     "tracks": {str(t): n for t, n in tracks.items()}}))
-    precache.run(PIPELINE, root / "in", root / "cache", workers=1, shard_rows=2, format=format,
-                 progress=False, log=lambda *a, **k: None)
+    build_cache(root / "in", root / "cache", pipeline=PIPELINE, workers=1, shard_rows=2,
+                format=format)
     return root / "cache"
 
 
@@ -145,8 +145,8 @@ def test_bad_arguments_and_a_cache_of_no_videos_are_refused(cache, tmp_path):
         ClipDataset(cache, columns=["image", "mesh"])
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.bin").write_bytes(b"\1")
-    precache.run(str(Path(__file__).with_name("synthetic_pipeline.py")), tmp_path / "in",
-                 tmp_path / "plain", workers=1, progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "in", tmp_path / "plain",
+                pipeline=str(Path(__file__).with_name("synthetic_pipeline.py")), workers=1)
     with pytest.raises(ValueError, match=r"plain.*video-faces cache"):
         ClipDataset(tmp_path / "plain")
 

@@ -12,15 +12,15 @@ import precache
 from precache.cache.formats.parquet import ParquetFormat
 from precache.cache.schema import ColumnSpec
 from precache.loading import CachedDataset
-from tests.conftest import write_photos
+from tests.helpers import build_cache, write_photos
 
 
 @pytest.fixture(scope="module", params=["parquet", "hdf5"])
 def cache(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"ds-{request.param}")
     write_photos(root / "photos", 40)
-    precache.run("images", root / "photos", root / "cache", params={"size": 16}, workers=1,
-                 format=request.param, shard_rows=16, progress=False, log=lambda *a, **k: None)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 16}, workers=1,
+                format=request.param, shard_rows=16)
     return root
 
 
@@ -49,11 +49,11 @@ def test_deleted_rows_are_not_served(cache, tmp_path):
     photos = tmp_path / "photos"
     shutil.copytree(cache / "photos", photos)
     out = tmp_path / "cache"
-    run = dict(params={"size": 16}, workers=1, shard_rows=16, progress=False, log=lambda *a, **k: None)
-    precache.run("images", photos, out, **run)
+    run = dict(pipeline="images", params={"size": 16}, workers=1, shard_rows=16)
+    build_cache(photos, out, **run)
     for name in ("img0004.jpg", "img0021.png"):
         (photos / name).unlink()
-    precache.run("images", photos, out, **run)
+    build_cache(photos, out, **run)
     keys = [s["key"] for s in CachedDataset(out, columns=["key"]).__getitems__(range(38))]
     assert len(CachedDataset(out)) == 38 and "img0004.jpg" not in keys and "img0021.png" not in keys
 
@@ -82,8 +82,8 @@ def test_a_decoded_bytes_budget_reads_the_same_rows_and_in_place_columns_take_no
 
 def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(tmp_path):
     write_photos(tmp_path / "photos", 16)
-    precache.run("images", tmp_path / "photos", tmp_path / "cache", params={"size": 16},
-                 workers=1, format="hdf5", progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "photos", tmp_path / "cache", pipeline="images", params={"size": 16},
+                workers=1, format="hdf5")
     reader = precache.Cache(tmp_path / "cache").reader(0)
     rows = [7, 3, 3, 12, 0]
     mapped = reader.read(rows, ["image", "orig_height"])
@@ -168,9 +168,8 @@ def test_encoded_crops_are_read_in_place_and_decoded_into_one_batch_array(tmp_pa
     from precache.cache.image_codec import decode_image
 
     write_photos(tmp_path / "photos", 20)
-    precache.run("images", tmp_path / "photos", tmp_path / "cache",
-                 params={"size": 16, "image_codec": codec}, workers=1, shard_rows=8,
-                 progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "photos", tmp_path / "cache", pipeline="images",
+                params={"size": 16, "image_codec": codec}, workers=1, shard_rows=8)
     cache = precache.Cache(tmp_path / "cache")
     assert "image" in cache.reader(0).variable()  # the bytes are read from the mapped file
     encoded = cache.read_all(["key", "image"])

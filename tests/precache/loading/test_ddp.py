@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import precache
-from tests.conftest import launch_ranks, write_photos
+from tests.helpers import build_cache, launch_ranks, write_photos
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,8 @@ def expected_keys(cache: Path, world: int, shard_window: int = 0,
 def cache(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ddp")
     write_photos(root / "photos", SIZE)
-    precache.run("images", root / "photos", root / "cache", params={"size": 16}, workers=1,
-                 shard_rows=8, progress=False, log=lambda *a, **k: None)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 16}, workers=1,
+                shard_rows=8)
     assert len(precache.Cache(root / "cache").manifest.shards) == 5
     return root / "cache"
 

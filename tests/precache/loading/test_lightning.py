@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import precache
-from tests.conftest import write_photos
+from tests.helpers import build_cache, write_photos
 
 pytest.importorskip("lightning")
 JOB = Path(__file__).with_name("lightning_job.py")
@@ -31,8 +31,8 @@ def keys_per_rank(out: Path) -> list[list[str]]:
 def test_a_ddp_trainer_resumes_mid_epoch_without_repeating_or_skipping(tmp_path):
     write_photos(tmp_path / "photos", 21)
     cache = tmp_path / "cache"
-    precache.run("images", tmp_path / "photos", cache, params={"size": 8}, workers=1,
-                 shard_rows=8, progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "photos", cache, pipeline="images", params={"size": 8}, workers=1,
+                shard_rows=8)
     first, second = tmp_path / "first", tmp_path / "second"
     run_job(str(cache), str(first), "--max-steps", "2")
     before = keys_per_rank(first)
@@ -53,8 +53,8 @@ def test_shard_window_applies_to_the_training_rows_when_validation_is_held_out(t
     from precache.loading.lightning import CacheDataModule
 
     write_photos(tmp_path / "in", 40)
-    precache.run("images", tmp_path / "in", tmp_path / "cache", params={"size": 16},
-                 shard_rows=8, workers=1, progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "in", tmp_path / "cache", pipeline="images", params={"size": 16},
+                shard_rows=8, workers=1)
     module = CacheDataModule(tmp_path / "cache", batch_size=4, val_every=5, num_workers=0,
                              shard_window=2)
     module.setup("fit")

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-import precache
 from precache.loading import CachedDataset, make_loader
-from tests.conftest import write_photos
+from tests.helpers import build_cache, write_photos
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
     write_photos(root / "photos", 30)
-    precache.run("images", root / "photos", root / "cache", params={"size": 8}, workers=1,
-                 shard_rows=8, progress=False, log=lambda *a, **k: None)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 8}, workers=1,
+                shard_rows=8)
     return CachedDataset(root / "cache", columns=["key", "image"])
 
 

@@ -17,15 +17,15 @@ import precache
 from precache.loading import CachedDataset, make_loader
 from precache.loading.loader import IndexBatch, ReadAheadBatches
 from precache.loading.sampler import DistributedShardSampler
-from tests.conftest import write_photos
+from tests.helpers import build_cache, write_photos
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ahead")
     write_photos(root / "photos", 48)
-    precache.run("images", root / "photos", root / "cache", params={"size": 64}, workers=1,
-                 shard_rows=16, progress=False, log=lambda *a, **k: None)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 64}, workers=1,
+                shard_rows=16)
     return root / "cache"
 
 
@@ -93,9 +93,8 @@ def test_read_ahead_brings_the_rows_into_the_page_cache(cache):
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
 def test_read_ahead_covers_variable_length_columns(tmp_path):
     write_photos(tmp_path / "photos", 16)
-    precache.run("images", tmp_path / "photos", tmp_path / "cache",
-                 params={"size": 96, "image_codec": "jpeg"}, workers=1, shard_rows=16,
-                 progress=False, log=lambda *a, **k: None)
+    build_cache(tmp_path / "photos", tmp_path / "cache", pipeline="images",
+                params={"size": 96, "image_codec": "jpeg"}, workers=1, shard_rows=16)
     shard = precache.Cache(tmp_path / "cache").shard_path(0)
     gc.collect()
     os.sync()  # dropped before it is mapped: a fault maps neighbouring cached pages too

@@ -8,10 +8,23 @@ the copies of per-row objects build up over the epoch (shuffled, the first batch
 touch nearly every page); both caches are read in the same number of batches, so what a batch
 costs is the same for both, and the growth is counted from the end of the first batches (which
 open the shards and set up the transfer to the main process: once per worker).
+
+What the number must not pick up, since it depends on timing and not on the dataset:
+``Private_Dirty`` counts the pages this process alone maps, so when the *main* process writes a
+page it shares with the worker, the worker's old copy becomes "private" although the worker copied
+nothing (one full collection of the main process's cyclic GC, which writes to every container it
+holds, adds 35 MB to the worker's number); the main process therefore runs the epoch with its GC
+off (the worker's GC runs as usual). Transparent huge pages (a machine with THP "always", or
+khugepaged collapsing a region at some moment) would turn one touched byte into 2 MB, and glibc
+handing freed memory back to the kernel mid-epoch would make the reading at batch ``WARM`` low:
+the measuring process turns THP off for itself and its worker and fixes malloc's trim and mmap
+thresholds.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -21,9 +34,9 @@ from pathlib import Path
 import pytest
 from torch.utils.data import Dataset
 
-import precache
 from precache.loading import CachedDataset, make_loader
 from precache.loading.dataset import collate_samples
+from tests.helpers import build_cache
 
 PIPELINE = str(Path(__file__).with_name("synthetic_pipeline.py"))
 
@@ -43,8 +56,7 @@ def build(root: Path, rows: int) -> Path:
     inputs.mkdir()
     for i in range(rows):
         (inputs / f"{i:06d}.bin").write_bytes(bytes([i % 256]))
-    precache.run(PIPELINE, inputs, root / f"cache{rows}", workers=1, progress=False,
-                 log=lambda *a, **k: None)
+    build_cache(inputs, root / f"cache{rows}", pipeline=PIPELINE, workers=2)  # 2: half the time
     return root / f"cache{rows}"
 
 
@@ -68,6 +80,7 @@ ROWS = 20_000
 
 def collate_measured(samples):
     """The batch, and this worker's private MB right after making it."""
+    gc.enable()  # the worker's GC runs as in any worker (the main process turned its own off)
     return collate_samples(samples), private_mb(os.getpid())
 
 
@@ -76,7 +89,12 @@ def worker_growth(dataset) -> float:
     loader = make_loader(dataset, -(-len(dataset) // BATCHES), shuffle=False, num_workers=1,
                          multiprocessing_context="fork", collate_fn=collate_measured)
     loader.set_epoch(0)
-    measured = [mb for _, mb in loader]
+    gc.collect()
+    gc.disable()  # no collection in this process may write the pages it shares with the worker
+    try:
+        measured = [mb for _, mb in loader]
+    finally:
+        gc.enable()
     assert len(measured) == BATCHES
     return measured[-1] - measured[WARM - 1]
 
@@ -108,7 +126,11 @@ def measure(small: str, large: str) -> dict[str, float]:
 def test_worker_memory_stays_flat_as_the_cache_grows(tmp_path):
     small, large = build(tmp_path, ROWS // 20), build(tmp_path, ROWS)
     repo = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, __file__, str(small), str(large)], cwd=repo,
+    # malloc keeps what it frees (no trim, a fixed mmap threshold): its high-water mark is read
+    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(1 << 30), MALLOC_MMAP_THRESHOLD_=str(1 << 20),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "tests.precache.loading.test_worker_memory",
+                           str(small), str(large)], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     grown = json.loads(done.stdout.splitlines()[-1])
@@ -128,5 +150,13 @@ def test_worker_memory_stays_flat_as_the_cache_grows(tmp_path):
     assert grown["large"] < grown["dicts"] / 2
 
 
+def without_huge_pages() -> None:
+    """Turn transparent huge pages off for this process and the workers it forks (prctl
+    PR_SET_THP_DISABLE), whatever the machine's setting: memory is then counted in 4 kB pages."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(41, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
+
+
 if __name__ == "__main__":
+    without_huge_pages()
     print(json.dumps(measure(sys.argv[1], sys.argv[2])))

@@ -22,13 +22,12 @@ import pytest
 from PIL import Image
 from skimage import data as skdata
 
-import precache
 from precache import Cache
 from precache.processing import sources
 from precache.storage import locations
 from precache.processing.sources import (InputError, InputTooLargeError, NotRegularFileError,
                                     list_inputs, read_bytes)
-from tests.conftest import precache_cli, write_photos
+from tests.helpers import build_cache, precache_cli, write_photos
 
 ADDRESS_SPACE = 3 * 1024**3  # a run needs well under this; reading /dev/zero whole does not
 
@@ -192,8 +191,7 @@ def test_listing_does_not_open_fifos_or_devices(tmp_path: Path, alarm: None,
 def test_max_input_bytes_must_be_positive(tmp_path: Path) -> None:
     write_photos(tmp_path / "in", 1)
     with pytest.raises(ValueError, match="max_input_bytes"):
-        precache.run("images", tmp_path / "in", tmp_path / "c", max_input_bytes=0, progress=False,
-                     log=lambda *a: None)
+        build_cache(tmp_path / "in", tmp_path / "c", pipeline="images", max_input_bytes=0)
     result = precache_cli("run", "images", "-i", str(tmp_path / "in"), "-o", str(tmp_path / "c"),
                           "--max-input-bytes", "lots")
     assert result.returncode == 2 and "--max-input-bytes" in result.stderr

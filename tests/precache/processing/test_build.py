@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import precache
-from precache.processing import RunSummary
 from precache import Cache, RunError
 from precache.cache import CacheLayout
 from precache.cache.verify import verify
 from precache.storage import Store
-from tests.conftest import COUNTING_PIPELINE, read_calls, write_photos
+from tests.helpers import build_cache, read_calls, write_photos
 from tests.precache.processing.sync_pipeline import logged_pids
 
 SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 
 
-def quiet_run(input: Path, output: Path, **kwargs: object) -> RunSummary:
-    """A quiet run; a replaced generation's files go at once (no reader holds them)."""
-    kwargs.setdefault("shard_rows", 5)
-    kwargs.setdefault("retention_s", 0)
-    return precache.run(kwargs.pop("pipeline", COUNTING_PIPELINE), input, output,
-                        progress=False, log=lambda *_: None, **kwargs)
+# a replaced generation's files go at once (no reader holds them)
+quiet_run = partial(build_cache, shard_rows=5, retention_s=0)
 
 
 def function_pipeline(folder: Path, name: str, function_source: str, ops: str) -> str:

@@ -45,7 +45,7 @@ def test_an_input_folder_named_like_a_pipeline_neither_shadows_it_nor_runs(
     import subprocess
     import sys
 
-    from tests.conftest import write_photos
+    from tests.helpers import write_photos
 
     write_photos(tmp_path / "images", 4)
     ran = tmp_path / "pipeline-py-ran"

@@ -11,6 +11,7 @@ import pytest
 import precache
 from precache.cache.inspect import describe_cache, format_description
 from precache.loading import CachedDataset
+from tests.helpers import build_cache
 
 PIPELINE = str(Path(__file__).with_name("ragged_pipeline.py"))
 
@@ -23,8 +24,8 @@ def test_a_ragged_column_survives_a_run(tmp_path, fmt):
     for name, data in texts.items():
         (tmp_path / "in" / name).write_bytes(data)
     out = tmp_path / "cache"
-    summary = precache.run(PIPELINE, tmp_path / "in", out, workers=2, format=fmt, shard_rows=6,
-                           progress=False, log=lambda *a, **k: None)
+    summary = build_cache(tmp_path / "in", out, pipeline=PIPELINE, workers=2, format=fmt,
+                          shard_rows=6)
     assert summary.ok == 20 and summary.failed == 1
     error = precache.Cache(out).read_errors().to_pylist()[0]
     assert error["key"] == "t99.txt" and "ragged" in error["message"]

@@ -24,17 +24,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
-import precache
-from precache.processing import RunSummary
 from precache import Cache, RunError, verify
 from precache.processing.executors.ray import MAX_ATTEMPTS
 from precache.cli import main
-from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
+from tests.helpers import (COUNTING_PIPELINE, build_cache, free_port, precache_cli, read_calls,
+                           write_photos)
 from tests.precache.processing.sync_pipeline import logged_pids
 
 pytestmark = pytest.mark.slow
@@ -46,11 +46,7 @@ SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
 NODE_IP = "127.0.0.2"
 
 
-def quiet_run(input: Path, output: Path, **kwargs: Any) -> RunSummary:
-    kwargs.setdefault("shard_rows", 4)
-    kwargs.setdefault("workers", 2)
-    return precache.run(kwargs.pop("pipeline", COUNTING_PIPELINE), input, output,
-                        progress=False, log=lambda *_: None, **kwargs)
+quiet_run = partial(build_cache, shard_rows=4, workers=2)
 
 
 def shard_checksums(cache: Path) -> list[tuple[str, int, str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from precache import Cache, verify
-from tests.conftest import REPO, precache_cli, read_calls, wait_until, write_photos
+from tests.helpers import REPO, precache_cli, read_calls, wait_until, write_photos
 from tests.precache.processing.sync_pipeline import TIMEOUT_S, logged_pids
 
 pytestmark = pytest.mark.slow

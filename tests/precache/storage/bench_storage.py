@@ -20,8 +20,8 @@ import torch
 
 import precache
 from precache.loading import CachedDataset
-from tests.conftest import write_photos
-from tests.precache.storage.conftest import seaweedfs, weed_binary
+from tests.helpers import write_photos
+from tests.helpers.remote import seaweedfs, weed_binary
 
 
 def _epoch(dataset: CachedDataset, workers: int) -> float:

@@ -18,8 +18,9 @@ from precache.cache import MARKER
 from precache.loading import CachedDataset
 from precache.storage import StorageError, Store
 from precache.storage.lease import LEASE_FILE
-from tests.conftest import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
-from tests.precache.storage.conftest import GcsServer, build, remote_files, upload_folder
+from tests.helpers import COUNTING_PIPELINE, free_port, precache_cli, read_calls, write_photos
+from tests.helpers import build_counting as build
+from tests.helpers.remote import GcsServer, remote_files, upload_folder
 
 
 def test_gs_inputs_into_a_gs_cache_match_a_local_run_and_rerun_incrementally(

@@ -13,10 +13,11 @@ from pathlib import Path
 import precache
 from precache.storage import Store
 from precache.storage.disk_cache import DiskCache
-from tests.conftest import precache_cli, write_photos
-from tests.precache.cache.test_generations import (ROWS, assert_generation_1_removed,
-                                                  change_most_inputs, start_holder)
-from tests.precache.storage.conftest import build, remote_files
+from tests.helpers import precache_cli, write_photos
+from tests.helpers import build_counting as build
+from tests.helpers.generations import (ROWS, assert_generation_1_removed, change_most_inputs,
+                                       start_holder)
+from tests.helpers.remote import remote_files
 
 
 def test_an_s3_reader_keeps_its_generation_and_gc_waits_for_it(s3, bucket: str,

@@ -15,8 +15,8 @@ import pytest
 import precache
 from precache.storage import Store, lease as lease_module
 from precache.storage.lease import LEASE_FILE, LeaseLost, WriterLease, process_identity
-from tests.conftest import COUNTING_PIPELINE, precache_cli, wait_until, write_photos
-from tests.precache.storage.conftest import build
+from tests.helpers import COUNTING_PIPELINE, precache_cli, wait_until, write_photos
+from tests.helpers import build_counting as build
 
 
 @pytest.fixture(autouse=True)

@@ -11,8 +11,9 @@ import pytest
 import precache
 from precache import RunError
 from precache.cache import MARKER
-from tests.conftest import COUNTING_PIPELINE, precache_cli, write_photos
-from tests.precache.storage.conftest import S3Server, build, remote_files, upload_folder
+from tests.helpers import COUNTING_PIPELINE, precache_cli, write_photos
+from tests.helpers import build_counting as build
+from tests.helpers.remote import S3Server, remote_files, upload_folder
 
 
 def test_a_prefix_without_precache_marker_is_refused_untouched(s3: S3Server, bucket: str,

@@ -27,9 +27,10 @@ from precache.loading import CachedDataset
 from precache.storage import ChecksumError, StorageError, Store, work_dir_for
 from precache.storage.disk_cache import DiskCache
 from precache.storage.hashing import file_checksum
-from tests.conftest import (COUNTING_PIPELINE, REPO, precache_cli, read_calls, wait_until,
+from tests.helpers import (COUNTING_PIPELINE, REPO, precache_cli, read_calls, wait_until,
                             write_photos)
-from tests.precache.storage.conftest import build, remote_files
+from tests.helpers import build_counting as build
+from tests.helpers.remote import remote_files
 
 
 def rows_by_key(cache: str | Path) -> dict[str, np.ndarray]:

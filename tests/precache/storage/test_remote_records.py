@@ -11,13 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import precache
-from tests.precache.storage.conftest import upload_folder
+from tests.helpers import build_cache
+from tests.helpers.remote import upload_folder
 
 pytest.importorskip("tokenizers")
-
-
-def quiet(*args, **kwargs):
-    pass
 
 
 def write_corpus(folder: Path, edited: bool = False) -> None:
@@ -36,8 +33,8 @@ def test_record_files_on_s3_build_the_same_cache_as_local_ones(s3, bucket, tmp_p
     write_corpus(local)
     url = f"s3://{bucket}/corpus"
     upload_folder(s3, local, url)
-    mine = precache.run("text", local, tmp_path / "local", workers=1, progress=False, log=quiet)
-    theirs = precache.run("text", url, f"s3://{bucket}/cache", workers=2, progress=False, log=quiet)
+    mine = build_cache(local, tmp_path / "local", pipeline="text", workers=1)
+    theirs = build_cache(url, f"s3://{bucket}/cache", pipeline="text", workers=2)
     assert (theirs.ok, theirs.failed) == (mine.ok, mine.failed) == (21, 1)
     columns = ["key", "label", "ids"]
     a = precache.Cache(tmp_path / "local").read_all(columns)
@@ -50,5 +47,5 @@ def test_record_files_on_s3_build_the_same_cache_as_local_ones(s3, bucket, tmp_p
     # Edit one line remotely: only it is computed again.
     write_corpus(local, edited=True)
     upload_folder(s3, local, url)
-    again = precache.run("text", url, f"s3://{bucket}/cache", workers=1, progress=False, log=quiet)
+    again = build_cache(url, f"s3://{bucket}/cache", pipeline="text", workers=1)
     assert again.computed == 1  # the edited line (the broken one failed on the same bytes)

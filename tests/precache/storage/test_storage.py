@@ -13,8 +13,8 @@ from precache.processing.sources import InputError, list_inputs
 from precache.cache import CacheLayout
 from precache.storage import (StorageError, Store, is_remote, local_path, open_input_file,
                               read_remote_bytes, resolve)
-from tests.conftest import write_photos
-from tests.precache.storage.conftest import upload_folder
+from tests.helpers import build_cache, write_photos
+from tests.helpers.remote import upload_folder
 
 
 @pytest.fixture
@@ -44,8 +44,7 @@ def test_a_missing_bucket_and_refused_credentials_name_the_url_and_the_fix(
         precache.Cache("s3://no-such-bucket/c")
     write_photos(tmp_path / "photos", 2)
     with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
-        precache.run("images", tmp_path / "photos", "s3://no-such-bucket/c", workers=1,
-                     progress=False, log=lambda *a: None)
+        build_cache(tmp_path / "photos", "s3://no-such-bucket/c", pipeline="images", workers=1)
     bucket = s3.new_bucket()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     refused = (rf"'s3://{bucket}/c/manifest.json'.*credentials were refused: "

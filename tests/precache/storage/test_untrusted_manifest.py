@@ -17,8 +17,9 @@ import pytest
 from precache import Cache
 from precache.cache import ManifestError
 from precache.loading import CachedDataset
-from tests.conftest import precache_cli, write_photos
-from tests.precache.storage.conftest import GcsServer, S3Server, build, upload_folder
+from tests.helpers import precache_cli, write_photos
+from tests.helpers import build_counting as build
+from tests.helpers.remote import GcsServer, S3Server, upload_folder
 
 VICTIM_TEXT = b"a file outside the disk cache folder"
 

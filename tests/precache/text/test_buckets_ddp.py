@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import precache
-from tests.conftest import launch_ranks
-from tests.precache.loading.test_buckets import padded
+from tests.helpers import build_cache, launch_ranks
+from tests.helpers.sampling import padded
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tokenizers")
@@ -74,8 +74,7 @@ def cache(tmp_path_factory) -> Path:
     corpus.mkdir()
     for i in range(DOCS):  # documents of very different lengths
         (corpus / f"d{i:02d}.txt").write_text("word " * (1 + (i * 37) % 200), encoding="utf-8")
-    precache.run("text", corpus, root / "cache", workers=1, shard_rows=8, progress=False,
-                 log=lambda *a, **k: None)
+    build_cache(corpus, root / "cache", pipeline="text", workers=1, shard_rows=8)
     return root / "cache"
 
 

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import precache
 from precache.loading.packing import PackedBlocks
+from tests.helpers import build_cache
 
 pytest.importorskip("tokenizers")
 
@@ -24,8 +25,7 @@ def token_cache(tmp_path_factory):
              for _ in range(40)]
     (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
     out = folder / "cache"
-    precache.run("text", folder / "docs.jsonl", out, workers=1, progress=False,
-                 log=lambda *a, **k: None, shard_rows=8)
+    build_cache(folder / "docs.jsonl", out, pipeline="text", workers=1, shard_rows=8)
     ids = precache.Cache(out).read_all(["ids"])["ids"]
     return out, [np.asarray(i, dtype=np.int64) for i in ids]
 

@@ -18,10 +18,7 @@ from precache.processing.records import parse_record, read_record, records_of
 tokenizers = pytest.importorskip("tokenizers")
 
 from precache.processing.ops.text import TEXT_EXTENSIONS, resolve_tokenizer  # noqa: E402
-
-
-def quiet(*args, **kwargs):
-    pass
+from tests.helpers import build_cache  # noqa: E402
 
 
 def encode(texts):
@@ -75,8 +72,8 @@ def test_a_csv_corpus_builds_with_configured_fields(tmp_path):
     path = tmp_path / "in" / "reviews.csv"
     path.write_bytes(CSV_TEXT.encode("utf-8"))
     out = tmp_path / "cache"
-    summary = precache.run("text", tmp_path / "in", out, workers=1, progress=False, log=quiet,
-                           params={"text_field": "review", "label_field": "stars"})
+    summary = build_cache(tmp_path / "in", out, pipeline="text", workers=1,
+                          params={"text_field": "review", "label_field": "stars"})
     assert (summary.ok, summary.failed) == (4, 1)
     errors = precache.Cache(out).read_errors().to_pylist()
     assert [e["key"] for e in errors] == ["reviews.csv:7"]
@@ -88,12 +85,11 @@ def test_a_csv_corpus_builds_with_configured_fields(tmp_path):
     assert [ids.tolist() for ids in rows["ids"]] == encode(texts)
     # Edit one record (same line count): only it is computed again.
     path.write_bytes(CSV_TEXT.replace("Last one", "Last two").encode("utf-8"))
-    again = precache.run("text", tmp_path / "in", out, workers=1, progress=False, log=quiet,
-                         params={"text_field": "review", "label_field": "stars"})
+    again = build_cache(tmp_path / "in", out, pipeline="text", workers=1,
+                        params={"text_field": "review", "label_field": "stars"})
     assert again.computed == 1
     # The wrong text field names the fields there are.
-    wrong = precache.run("text", tmp_path / "in", tmp_path / "wrong", workers=1, progress=False,
-                         log=quiet)
+    wrong = build_cache(tmp_path / "in", tmp_path / "wrong", pipeline="text", workers=1)
     assert wrong.ok == 0
     message = precache.Cache(tmp_path / "wrong").read_errors().to_pylist()[0]["message"]
     assert "no text field 'text' (its fields: 'review', 'stars')" in message
@@ -109,8 +105,7 @@ def test_a_parquet_corpus_builds_row_by_row(tmp_path):
     (tmp_path / "in" / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     out = tmp_path / "cache"
     params = {"text_field": "body", "label_field": "y"}
-    summary = precache.run("text", tmp_path / "in", out, workers=2, progress=False, log=quiet,
-                           params=params)
+    summary = build_cache(tmp_path / "in", out, pipeline="text", workers=2, params=params)
     assert (summary.ok, summary.failed) == (9, 2)
     errors = {e["key"]: e["message"] for e in precache.Cache(out).read_errors().to_pylist()}
     assert "row 3 has no text field 'body'" in errors["corpus.parquet:3"]
@@ -124,8 +119,7 @@ def test_a_parquet_corpus_builds_row_by_row(tmp_path):
     texts[7] = "A different document."
     pq.write_table(pa.table({"body": texts, "y": list(range(10)), "extra": [b"\x00"] * 10}), path,
                    row_group_size=3)
-    again = precache.run("text", tmp_path / "in", out, workers=1, progress=False, log=quiet,
-                         params=params)
+    again = build_cache(tmp_path / "in", out, pipeline="text", workers=1, params=params)
     # The changed row, and the unreadable file (a failed read has no hash to compare); row 3
     # failed on the same bytes as before, so it is not retried.
     assert again.computed == 2

@@ -18,6 +18,7 @@ from precache.processing.ops.text import resolve_tokenizer
 
 pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+from tests.helpers import build_cache  # noqa: E402
 
 DOCS = {
     "positive/a.txt": "A wonderful film, full of warmth and wit.",
@@ -39,8 +40,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run(corpus: Path, out: str, **params) -> RunSummary:
-    return precache.run("text", corpus / "in", corpus / out, params=params, workers=2,
-                        progress=False, log=lambda *a, **k: None)
+    return build_cache(corpus / "in", corpus / out, pipeline="text", params=params, workers=2)
 
 
 def test_cached_ids_are_the_tokenizers_encoding_and_labels_come_from_folders(corpus):
@@ -126,7 +126,7 @@ def test_json_lines_are_documents_and_bad_lines_are_errors_with_their_line(tmp_p
     corpus = tmp_path / "in" / "reviews.jsonl"
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "cache"
-    summary = precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
+    summary = build_cache(corpus, out, pipeline="text", workers=1)
     assert summary.ok == 3 and summary.failed == 2
     errors = {e["key"]: e["message"] for e in precache.Cache(out).read_errors().to_pylist()}
     assert set(errors) == {"reviews.jsonl:4", "reviews.jsonl:5"}
@@ -141,7 +141,7 @@ def test_json_lines_are_documents_and_bad_lines_are_errors_with_their_line(tmp_p
     # Edit one line: only that line is computed again.
     lines[2] = '{"text": "Broke after a week.", "label": "neg"}'
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    again = precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
+    again = build_cache(corpus, out, pipeline="text", workers=1)
     assert again.computed == 1
 
 
@@ -155,8 +155,7 @@ def test_a_tokenizer_trained_on_the_corpus_builds_the_cache(corpus, tmp_path, mo
     trained = Tokenizer.from_file(str(path))
     assert trained.get_vocab_size() <= 120 and trained.token_to_id("[PAD]") == 0
     out = tmp_path / "cache"
-    precache.run("text", corpus / "in", out, params={"tokenizer": str(path)}, workers=1,
-                 progress=False, log=lambda *a, **k: None)
+    build_cache(corpus / "in", out, pipeline="text", params={"tokenizer": str(path)}, workers=1)
     rows = precache.Cache(out).read_all(["key", "ids"])
     ids = rows["ids"][rows["key"].index("negative/c.txt")]
     assert trained.decode(ids.tolist()).replace(" ", "") == "dull,slowandfartoolong."

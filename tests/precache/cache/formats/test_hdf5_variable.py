@@ -14,6 +14,7 @@ from precache.cache.formats.hdf5 import HDF5Format, HDF5ShardReader
 from precache.cache.formats.variable import VariableColumn, ends_column
 from precache.cache.schema import ColumnSpec, ragged, rows_to_columns
 from precache.loading import CachedDataset
+from tests.helpers import build_cache
 
 PIPELINE = str(Path(__file__).parents[2] / "processing" / "ragged_pipeline.py")
 
@@ -225,8 +226,8 @@ def test_a_cached_dataset_over_an_hdf5_cache_reads_the_rows_in_place(tmp_path):
     for name, data in texts.items():
         (tmp_path / "in" / name).write_bytes(data)
     out = tmp_path / "cache"
-    summary = precache.run(PIPELINE, tmp_path / "in", out, workers=1, format="hdf5",
-                           shard_rows=5, progress=False, log=lambda *a, **k: None)
+    summary = build_cache(tmp_path / "in", out, pipeline=PIPELINE, workers=1, format="hdf5",
+                          shard_rows=5)
     assert summary.ok == 23
     cache = precache.Cache(out)
     expected = cache.read_all(["key", "ids", "length"])

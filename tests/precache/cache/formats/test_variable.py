@@ -18,6 +18,7 @@ from precache.cache.formats.variable import ends_column
 from precache.cache.schema import ColumnSpec, schema_to_json
 from precache.loading import CachedDataset
 from precache.storage.hashing import file_checksum
+from tests.helpers import build_cache
 
 SCHEMA = {"ids": ColumnSpec("ragged", "uint16"), "wide": ColumnSpec("ragged", "int64"),
           "blob": ColumnSpec("bytes"), "key": ColumnSpec("str"),
@@ -148,8 +149,7 @@ def ragged_cache(tmp_path_factory) -> Path:
     rng = np.random.default_rng(3)
     for i in range(60):
         (root / "in" / f"t{i:02d}.txt").write_bytes(rng.bytes(int(rng.integers(0, 300))))
-    precache.run(PIPELINE, root / "in", root / "cache", workers=1, shard_rows=16,
-                 progress=False, log=lambda *a, **k: None)
+    build_cache(root / "in", root / "cache", pipeline=PIPELINE, workers=1, shard_rows=16)
     return root / "cache"
 
 

@@ -18,7 +18,7 @@ from skimage import data as skdata
 
 from precache import Cache
 from precache.processing.ops.image import DecodeImage
-from tests.conftest import precache_cli, write_photos
+from tests.helpers import precache_cli, write_photos
 
 PHOTO = skdata.coffee()  # 400x600x3 RGB: a real photo, enough scan data to cut from
 

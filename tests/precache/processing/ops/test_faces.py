@@ -21,6 +21,7 @@ from precache.faces import mtcnn
 from precache.faces.mtcnn import MTCNN
 from precache.processing.ops.face_detect import DetectFaces
 from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
+from tests.helpers import build_cache
 
 HOPPER = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
 # Face boxes read off the photos by eye (forehead to chin, cheek to cheek), x0, y0, x1, y1.
@@ -238,10 +239,9 @@ def face_caches(tmp_path_factory) -> dict[str, Path]:
     caches = {}
     for fmt in ("parquet", "hdf5"):
         caches[fmt] = root / f"cache-{fmt}"
-        precache.run("faces", root / "photos", caches[fmt], params={"size": 96, "keep": "all",
-                                                           "thresholds": (0.6, 0.7, 0.95)},
-                     workers=2 if fmt == "parquet" else 1, format=fmt, progress=False,
-                     log=lambda *a, **k: None)
+        build_cache(root / "photos", caches[fmt], pipeline="faces",
+                    params={"size": 96, "keep": "all", "thresholds": (0.6, 0.7, 0.95)},
+                    workers=2 if fmt == "parquet" else 1, format=fmt)
     return caches
 
 

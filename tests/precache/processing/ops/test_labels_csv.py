@@ -12,7 +12,7 @@ import pytest
 
 from precache import Cache
 from precache.processing.ops.labels import Labels, read_label_file
-from tests.conftest import precache_cli, write_photos
+from tests.helpers import precache_cli, write_photos
 
 
 @pytest.fixture(scope="module")

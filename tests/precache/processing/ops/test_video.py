@@ -282,7 +282,7 @@ def test_a_face_lost_between_detections_and_found_again_stays_one_track() -> Non
 
 def test_frames_seconds_apart_keep_every_face_and_say_when_they_cannot_be_linked(tmp_path) -> None:
     from precache.processing.ops.video_faces import VideoFaces
-    from tests.conftest import load_script
+    from tests.helpers import load_script
 
     root = Path(__file__).resolve().parents[4]
     make_videos = load_script(root / "data" / "make_videos.py", "make_videos")

@@ -17,7 +17,7 @@ from precache.processing.ops.face_crop import CropFace
 from precache.processing.ops.face_track import Detection, Track
 from precache.processing.ops.video_decode import read_frames
 from precache.processing.ops.video_faces import VideoFaces
-from tests.conftest import load_script
+from tests.helpers import load_script
 
 REPO = Path(__file__).resolve().parents[4]
 

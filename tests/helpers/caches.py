@@ -1,0 +1,44 @@
+"""Building caches in a test: ``build_cache`` is ``precache.run`` without its progress bar and log
+lines, so that a test states only the settings it is about."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+from precache.processing import RunSummary
+from tests.helpers.files import COUNTING_PIPELINE, REPO
+
+
+def quiet(*args: object, **kwargs: object) -> None:
+    """A ``log`` that drops every line."""
+
+
+def build_cache(input: str | os.PathLike[str], output: str | os.PathLike[str], *,
+                pipeline: object = COUNTING_PIPELINE, **options: object) -> RunSummary:
+    """``precache.run(pipeline, input, output, **options)`` with no progress bar and no log lines
+    (unless ``options`` give ``progress`` or ``log``); the pipeline is tests/counting_pipeline.py
+    unless named (a registered name such as ``"images"``, a file, a ``Pipeline``)."""
+    import precache
+
+    options.setdefault("progress", False)
+    options.setdefault("log", quiet)
+    return precache.run(pipeline, input, output, **options)  # type: ignore[arg-type]
+
+
+#: The counting pipeline with one worker and 8 rows a shard; a replaced generation's files go at
+#: once (``retention_s=0``: no reader holds them; tests of keeping them say so). Any setting can
+#: be given again.
+build_counting = partial(build_cache, workers=1, shard_rows=8, retention_s=0)
+
+
+def make_face_cache(root: Path, count: int, size: int, workers: int = 1) -> Path:
+    """A faces cache (crops of ``size`` px) of ``count`` sample pictures from data/make_samples.py."""
+    subprocess.run([sys.executable, str(REPO / "data" / "make_samples.py"), "--output",
+                    str(root / "photos"), "--count", str(count)], check=True, capture_output=True)
+    build_cache(root / "photos", root / "cache", pipeline="faces", params={"size": size},
+                workers=workers)
+    return root / "cache"
