@@ -1,36 +1,25 @@
-"""The faces landmark model of ``pipelines/faces/train.py`` as a LightningModule over precache's
+"""The faces landmark model (``precache.training.landmarks``) as a LightningModule over precache's
 ``CacheDataModule``, with the strategy and precision switches of the face thesis's recipe
 (which ended with DeepSpeed ZeRO stage 2 and fp16 through Lightning):
 
     python pipelines/faces/train_lightning.py --cache data/cache --devices 1
     python pipelines/faces/train_lightning.py --cache data/cache --devices 2 --strategy fsdp
-    python pipelines/faces/train_lightning.py --cache data/cache --devices 8 --strategy deepspeed_stage_2 --precision 16-mixed
+    python pipelines/faces/train_lightning.py --cache data/cache --devices 8 --strategy deepspeed_stage_2 --precision fp16
     srun python pipelines/faces/train_lightning.py --cache data/cache --devices 4 --num-nodes 2
 
-``--strategy fsdp`` is FSDP2 through Lightning's ``ModelParallelStrategy`` (``configure_model``
-shards each conv block, then the model): Lightning's ``FSDPStrategy`` (FSDP1) refuses the CPU
-("The strategy `fsdp` requires a GPU accelerator"). FSDP2 shards contiguous weights only, so the
-weights stay NCHW there (the activations are still channels_last).
-
-What was tested on CPU (gloo, 2 processes that Lightning starts itself): ``--strategy ddp`` (fp32)
-and ``fsdp`` (bf16-mixed); every training sample once per epoch across
-the ranks (``CacheDataModule``'s loaders keep precache's sampler). GPU-only: ``16-mixed`` (fp16
-needs CUDA; on CPU use ``bf16-mixed``) and ``deepspeed_stage_2`` (DeepSpeed needs CUDA and
-``pip install deepspeed``, which this project does not install); the script says so in one line
-instead of failing inside Lightning.
-
-Each epoch appends ``{"kind": "epoch", "epoch", "train_loss", "samples_per_s", ...}`` to
-``<out>/metrics.jsonl`` on rank 0; ``--resume`` continues from a Lightning checkpoint, mid-epoch
-included (the loader's position is in it).
+The flags are the other trainers' where they mean the same (``training_parser``); ``--precision
+bf16|fp16|fp32|auto`` maps to Lightning's ``bf16-mixed|16-mixed|32``. ``--strategy fsdp`` is
+FSDP2 through ``ModelParallelStrategy`` (Lightning's ``FSDPStrategy`` refuses the CPU); FSDP2
+shards contiguous weights only, so the weights stay NCHW there. ``fp16`` and
+``deepspeed_stage_2`` need CUDA: on CPU the script says so in one line. Each epoch appends the
+record of every precache trainer (``precache.training.records``) to ``<out>/metrics.jsonl``;
+``--resume`` continues from a Lightning checkpoint, mid-epoch included.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -38,49 +27,24 @@ import torch
 from torch import nn
 
 from precache.loading.lightning import CacheDataModule
-from precache.pipelines.faces.train import AugmentForTraining, LandmarkNet, batch_to_inputs
+from precache.training.landmarks import (AUGMENT_COLUMNS, AugmentForTraining, LandmarkNet,
+                                         batch_to_inputs)
+from precache.training.records import MetricLog
+from precache.training.settings import training_parser
+from precache.training.step import auto_precision, open_keys_log
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed_stage_2")
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", required=True, help="a cache of the faces pipeline")
-    p.add_argument("--out", default="runs/faces-lightning", help="checkpoints and metrics")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32, help="per device")
-    p.add_argument("--workers", type=int, default=None, help="loader workers per device")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--devices", type=int, default=1, help="processes (GPUs) per node")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    p.add_argument("--precision", choices=PRECISIONS, default="32",
-                   help="16-mixed (fp16, GradScaler) needs CUDA; bf16-mixed runs on CPU too")
-    p.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--max-steps", type=int, default=-1)
-    p.add_argument("--resume", default=None, help="a Lightning checkpoint to continue from")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-keys", default=None, metavar="DIR",
-                   help="append 'epoch<TAB>key' of every sample trained on to DIR/keys-rank<R>.tsv")
-    return p.parse_args(argv)
+LIGHTNING_PRECISION = {"fp32": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
 def check_hardware(strategy: str, precision: str) -> None:
     """One clear line for the combinations that cannot run here, before Lightning starts."""
     cuda = torch.cuda.is_available()
-    if precision == "16-mixed" and not cuda:
-        raise SystemExit("--precision 16-mixed (fp16 with a GradScaler) needs a CUDA GPU; "
-                         "use --precision bf16-mixed on CPU")
-    if strategy == "deepspeed_stage_2":
-        if importlib.util.find_spec("deepspeed") is None:
-            raise SystemExit("--strategy deepspeed_stage_2 needs DeepSpeed and a CUDA GPU: "
-                             "pip install deepspeed (on a machine with CUDA)")
-        if not cuda:
-            raise SystemExit("--strategy deepspeed_stage_2 needs a CUDA GPU; on CPU use "
-                             "--strategy ddp or fsdp")
+    if precision == "fp16" and not cuda:
+        raise SystemExit("--precision fp16 (with a GradScaler) needs a CUDA GPU; use "
+                         "--precision bf16 on CPU")
+    if strategy == "deepspeed_stage_2" and not (cuda and importlib.util.find_spec("deepspeed")):
+        raise SystemExit("--strategy deepspeed_stage_2 needs DeepSpeed and a CUDA GPU: pip "
+                         "install deepspeed on a machine with CUDA; on CPU use ddp or fsdp")
 
 
 class LandmarkModule(L.LightningModule):
@@ -90,7 +54,7 @@ class LandmarkModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = LandmarkNet()
-        self._keys = None
+        self._keys: Any = None
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # set by ModelParallelStrategy (--strategy fsdp) only
@@ -106,20 +70,17 @@ class LandmarkModule(L.LightningModule):
 
     def training_step(self, batch: dict, index: int) -> torch.Tensor:
         if self.hparams.keys_dir:
-            if self._keys is None:
-                Path(self.hparams.keys_dir).mkdir(parents=True, exist_ok=True)
-                self._keys = open(Path(self.hparams.keys_dir) / f"keys-rank{self.global_rank}.tsv",
-                                  "a")
+            self._keys = self._keys or open_keys_log(self.hparams.keys_dir, self.global_rank)
             self._keys.write("".join(f"{self.current_epoch}\t{k}\n" for k in batch["key"]))
             self._keys.flush()
-        images, targets = batch_to_inputs(batch, self.device)
+        images, targets = batch_to_inputs(batch)
         loss = nn.functional.smooth_l1_loss(self.net(images).float(), targets, beta=0.02)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True,
                  batch_size=len(images))
         return loss
 
     def validation_step(self, batch: dict, index: int) -> None:
-        images, targets = batch_to_inputs(batch, self.device)
+        images, targets = batch_to_inputs(batch)
         self.log("val_l1", nn.functional.l1_loss(self.net(images).float(), targets),
                  sync_dist=True, batch_size=len(images))
 
@@ -127,56 +88,69 @@ class LandmarkModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=1e-4)
 
 
-class EpochMetrics(L.Callback):
-    """Rank 0 appends each epoch's loss and samples/s to ``metrics.jsonl``."""
+class EpochRecords(L.Callback):
+    """Each epoch's record, in the schema of every precache trainer (the data wait: the time
+    between one batch's end and the next one's start)."""
 
-    def __init__(self, path: Path, batch_size: int) -> None:
-        self.path, self.batch_size = path, batch_size
+    def __init__(self, out: str, strategy: str, precision: str, epochs: int) -> None:
+        self.out, self.strategy, self.precision, self.epochs, self.seen = (
+            out, strategy, precision, epochs, 0)
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        self.log = MetricLog(self.out, trainer.global_rank)
 
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.started, self.batches = time.perf_counter(), 0
+        self.started = self.ready = time.perf_counter()
+        self.samples, self.wait = 0, 0.0
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, index) -> None:
-        self.batches += 1
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, i: int) -> None:
+        self.wait += time.perf_counter() - self.ready
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, out: Any, batch: Any,
+                           i: int) -> None:
+        self.samples += len(batch["image"]) * trainer.world_size
+        self.ready = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if trainer.global_rank != 0:
-            return
         elapsed = time.perf_counter() - self.started
+        self.seen += self.samples
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        record = {"kind": "epoch", "epoch": trainer.current_epoch, "step": trainer.global_step,
-                  "samples_per_s": self.batches * self.batch_size * trainer.world_size / elapsed,
-                  "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
-                  "precision": trainer.precision, **metrics}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.log.epoch(epoch=trainer.current_epoch, step=trainer.global_step,
+                       train_loss=metrics.pop("train_loss", float("nan")),
+                       samples_per_s=self.samples / elapsed, data_wait=self.wait / elapsed,
+                       world_size=trainer.world_size, strategy=self.strategy,
+                       precision=self.precision, lr=trainer.optimizers[0].param_groups[0]["lr"],
+                       samples_seen=self.seen, samples_planned=self.epochs * len(
+                           trainer.datamodule.train_set), **metrics)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    check_hardware(args.strategy, args.precision)
+    p = training_parser(__doc__, out="runs/faces-lightning", lr=2e-3, precision="fp32",
+                        items="crops", cache_help="a cache of the faces pipeline", loop=False,
+                        strategies=("ddp", "fsdp", "deepspeed_stage_2"))
+    p.add_argument("--devices", type=int, default=1, help="processes (GPUs) per node")
+    p.add_argument("--num-nodes", type=int, default=1)
+    args = p.parse_args(argv)
+    precision = args.precision if args.precision != "auto" else auto_precision(
+        torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    check_hardware(args.strategy, precision)
     L.seed_everything(args.seed, workers=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    columns = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]
     data = CacheDataModule(args.cache, args.batch_size,
-                           columns=columns + (["key"] if args.log_keys else []),
+                           columns=AUGMENT_COLUMNS + (["key"] if args.log_keys else []),
                            train_transform=AugmentForTraining(), val_every=10,
                            num_workers=args.workers, seed=args.seed)
     strategy: Any = args.strategy
-    if args.strategy == "fsdp":
-        # FSDP2 through ModelParallelStrategy (configure_model shards): Lightning's FSDPStrategy
-        # (FSDP1) refuses the CPU ("The strategy `fsdp` requires a GPU accelerator").
+    if args.strategy == "fsdp":  # FSDP2 (configure_model shards); FSDPStrategy refuses the CPU
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices * args.num_nodes,
                                          tensor_parallel_size=1)
     trainer = L.Trainer(
-        accelerator="auto", devices=args.devices, num_nodes=args.num_nodes,
-        strategy=strategy, precision=args.precision, max_epochs=args.epochs,
-        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
-        gradient_clip_val=args.clip or None, default_root_dir=str(out),
-        callbacks=[EpochMetrics(out / "metrics.jsonl", args.batch_size)],
+        accelerator="auto", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+        precision=LIGHTNING_PRECISION[precision], max_epochs=args.epochs,
+        max_steps=args.max_steps or -1, accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip or None, default_root_dir=args.out,
+        callbacks=[EpochRecords(args.out, args.strategy, precision, args.epochs)],
         enable_progress_bar=False, logger=False, use_distributed_sampler=False)
     trainer.fit(LandmarkModule(args.lr, args.log_keys), datamodule=data, ckpt_path=args.resume)
 

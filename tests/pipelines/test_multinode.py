@@ -1,8 +1,10 @@
-"""Multi-node launches of the trainers, for real, on this one machine.
+"""Multi-node launches, for real, on this one machine, of the one training loop every trainer
+runs (``precache.training.loop.fit``, here with the tiny task of
+tests/precache/training/loop_job.py, so no cache has to be built):
 
-* Two torchrun "nodes" (``--nnodes=2 --node_rank=0/1``, one process each) train the faces model;
+* two torchrun "nodes" (``--nnodes=2 --node_rank=0/1``, one process each);
 * two plain python processes with the variables srun sets (SLURM_PROCID, ...) and no torchrun
-  variables train the text model.
+  variables.
 
 Each rank logs the key of every sample it trains on (``--log-keys``); the test checks that every
 training sample is seen exactly once per epoch across the two ranks. The sbatch scripts in
@@ -13,7 +15,6 @@ and flags that exist.
 from __future__ import annotations
 
 import os
-import random
 import re
 import shlex
 import signal
@@ -25,14 +26,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser  # torchrun's own command line
 
-import precache
 from precache.training.distributed import slurm_default_port
-from tests.conftest import REPO, free_port, make_face_cache
-from tests.pipelines.coverage import (assert_each_sample_once_per_epoch, clean_env, read_metrics,
-                                      seen_keys, training_keys)
+from tests.helpers import REPO, assert_each_sample_once_per_epoch, free_port, seen_keys
+from tests.helpers.training import clean_env, read_metrics
 
-FACES = REPO / "pipelines" / "faces" / "train.py"
-TEXT = REPO / "pipelines" / "text" / "train.py"
+JOB = REPO / "tests" / "precache" / "training" / "loop_job.py"
 SBATCH = sorted((REPO / "pipelines" / "slurm").glob("*.sbatch"))
 TIMEOUT = 120.0  # seconds for one launch of both ranks
 
@@ -63,32 +61,21 @@ def launch(commands: list[list[str]], envs: list[dict[str, str]], logs: Path) ->
         pytest.fail(f"the launch failed or timed out after {TIMEOUT:.0f} s:\n{text}")
 
 
-@pytest.fixture(scope="module")
-def face_cache(tmp_path_factory) -> Path:
-    # 15 faces found, 13 to train on: odd, so each epoch repeats one sample to even the ranks
-    return make_face_cache(tmp_path_factory.mktemp("multinode_faces"), count=18, size=32)
+def job(out: Path, samples: int, *args: str) -> list[str]:
+    """The loop job's command: ``samples`` samples (keys s000, s001, ...), keys logged."""
+    return [sys.executable, str(JOB), "--cache", "unused", "--out", str(out / "run"),
+            "--workers", "0", "--precision", "fp32", "--log-keys", str(out / "keys"),
+            "--samples", str(samples), *args]
 
 
-@pytest.fixture(scope="module")
-def text_cache(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("multinode_text")
-    rng = random.Random(0)
-    for n in range(40):  # 36 to train on: 3 global batches of 2 ranks x 6, no padding
-        label = ["cats", "cars"][n % 2]
-        (root / "in" / label).mkdir(parents=True, exist_ok=True)
-        words = [rng.choice(["meow", "purr", "wheel", "fuel"]) for _ in range(rng.randint(3, 20))]
-        (root / "in" / label / f"{n}.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
-    precache.run("text", root / "in", root / "cache", workers=1, progress=False,
-                 log=lambda *a, **k: None)
-    return root / "cache"
+def keys(samples: int) -> list[str]:
+    return [f"s{i:03d}" for i in range(samples)]
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_train_on_every_sample_once_per_epoch(face_cache, tmp_path):
+def test_two_torchrun_nodes_train_on_every_sample_once_per_epoch(tmp_path):
     port = free_port()
-    train = [sys.executable, str(FACES), "--cache", str(face_cache), "--out", str(tmp_path / "run"),
-             "--epochs", "2", "--batch-size", "4", "--workers", "0",
-             "--log-keys", str(tmp_path / "keys")]
+    train = job(tmp_path, 13, "--epochs", "2", "--batch-size", "4")  # odd: one repeats
     nodes = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
               *train[1:]] for node in (0, 1)]  # one torchrun per "node", as srun starts them
@@ -96,19 +83,15 @@ def test_two_torchrun_nodes_train_on_every_sample_once_per_epoch(face_cache, tmp
 
     records = read_metrics(tmp_path / "run")
     assert [(r["epoch"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
-    keys = training_keys(face_cache)
-    assert len(keys) >= 8
     ranks = seen_keys(tmp_path / "keys", 2)
-    assert_each_sample_once_per_epoch(ranks, keys, epochs=2, pad=len(keys) % 2)
+    assert_each_sample_once_per_epoch(ranks, keys(13), pads=[1, 1])
     assert ranks[0][0] != ranks[0][1]  # a new order each epoch
 
 
 @pytest.mark.slow
 def test_srun_style_tasks_without_torchrun_form_a_group_and_train_on_every_sample_once(
-        text_cache, tmp_path):
-    train = [sys.executable, str(TEXT), "--cache", str(text_cache), "--out", str(tmp_path / "run"),
-             "--epochs", "1", "--batch-size", "6", "--workers", "0",
-             "--log-keys", str(tmp_path / "keys")]
+        tmp_path):
+    train = job(tmp_path, 36, "--epochs", "1", "--batch-size", "6")  # 3 rounds of 2 x 6
     # What srun sets for 2 tasks on 2 nodes; the group meets at the first host of the list.
     slurm = {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
              "SLURM_JOB_ID": "4242", "MASTER_PORT": str(free_port())}
@@ -117,9 +100,7 @@ def test_srun_style_tasks_without_torchrun_form_a_group_and_train_on_every_sampl
 
     records = read_metrics(tmp_path / "run")
     assert [(r["epoch"], r["world_size"]) for r in records] == [(0, 2)]
-    keys = training_keys(text_cache)
-    assert len(keys) == 36
-    assert_each_sample_once_per_epoch(seen_keys(tmp_path / "keys", 2), keys, epochs=1, pad=0)
+    assert_each_sample_once_per_epoch(seen_keys(tmp_path / "keys", 2), keys(36), pads=[0])
 
 
 # --- the sbatch scripts -------------------------------------------------------------------------

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, make_face_cache
-from tests.pipelines.coverage import (assert_each_sample_once_per_epoch, read_metrics, seen_keys,
-                                      training_keys)
+from tests.helpers import REPO, assert_each_sample_once_per_epoch, free_port, seen_keys
+from tests.helpers.training import read_metrics, training_keys
 from tests.pipelines.slurm_cluster import SlurmCluster, missing_reason, slurm_cluster
 
 SLURM = REPO / "pipelines" / "slurm"
@@ -30,12 +29,6 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(reason)
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def face_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # 15 faces found, 13 to train on
-    return make_face_cache(tmp_path_factory.mktemp("slurm_faces"), count=18, size=32)
 
 
 def submit(slurm: SlurmCluster, script: Path, tmp_path: Path, **variables: str) -> str:
@@ -59,12 +52,12 @@ def test_the_4_nodes_script_trains_on_every_sample_once_and_a_resubmission_resum
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 4), (1, 4)]
     train = training_keys(face_cache)
     pad = -len(train) % 4  # the sampler evens the 4 ranks by repeating samples
-    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 4), train, epochs=2, pad=pad)
+    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 4), train, pads=[pad] * 2)
 
     submit(slurm, SLURM / "faces_4nodes_x1gpu.sbatch", tmp_path, EPOCHS="3", **settings)
     # resumed from last.pt: only epoch 2 was trained (a fresh start would log epochs 0-2 again)
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 4), (1, 4), (2, 4)]
-    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 4), train, epochs=3, pad=pad)
+    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 4), train, pads=[pad] * 3)
 
 
 @pytest.mark.slow
@@ -74,36 +67,23 @@ def test_the_1_node_8_gpus_script_starts_8_ranks_that_share_each_epoch(slurm, fa
            OUT=str(out), EPOCHS="1", BATCH_SIZE="1", TRAIN_ARGS=f"--workers 0 --log-keys {keys_dir}")
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 8)]
     train = training_keys(face_cache)
-    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 8), train, epochs=1, pad=-len(train) % 8)
+    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 8), train, pads=[-len(train) % 8])
 
 
 @pytest.mark.slow
-def test_plain_srun_tasks_without_torchrun_form_one_group_across_nodes(slurm, face_cache, tmp_path):
+def test_plain_srun_tasks_without_torchrun_form_one_group_across_nodes(slurm, tmp_path):
     """The scripts' documented variant: one srun task per GPU, each reading SLURM_PROCID etc.;
-    the group meets at the first host of the job's node list (127.0.0.1 here)."""
+    the group meets at the first host of the job's node list (127.0.0.1 here). The loop every
+    trainer runs, with the tiny task of tests/precache/training/loop_job.py."""
     out, keys_dir = tmp_path / "run", tmp_path / "keys"
     command = ["srun", "--nodes=2", "--ntasks=2", "--kill-on-bad-exit=1", f"--chdir={REPO}",
-               sys.executable, "pipelines/faces/train.py", "--cache", str(face_cache),
+               sys.executable, "tests/precache/training/loop_job.py", "--cache", "unused",
                "--out", str(out), "--epochs", "1", "--batch-size", "2", "--workers", "0",
-               "--log-keys", str(keys_dir)]
+               "--precision", "fp32", "--samples", "13", "--log-keys", str(keys_dir)]
     slurm.run(*command, timeout=JOB_TIMEOUT, MASTER_PORT=str(free_port()))
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(out)] == [(0, 2)]
-    train = training_keys(face_cache)
-    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 2), train, epochs=1, pad=len(train) % 2)
-
-
-@pytest.fixture(scope="module")
-def video_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A video-faces cache of 8 short sample videos (4 real, 4 fakes of them)."""
-    from tests.conftest import load_script, precache_cli
-
-    root = tmp_path_factory.mktemp("slurm_videos")
-    make_videos = load_script(REPO / "data" / "make_videos.py", "make_videos")
-    make_videos.write_videos(root / "videos", per_label=4, seconds=1.0)
-    done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
-                        "--set", "size=32", "--set", "frames=4", "-q", timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return root / "cache"
+    train = [f"s{i:03d}" for i in range(13)]
+    assert_each_sample_once_per_epoch(seen_keys(keys_dir, 2), train, pads=[1])
 
 
 @pytest.mark.slow
@@ -119,4 +99,4 @@ def test_the_classifier_script_shares_the_videos_of_each_epoch_across_2_nodes(
     seen = seen_keys(keys_dir, 2)
     train = sorted({video for rank in seen for keys in rank.values() for video in keys})
     assert len(train) == 8 - metrics[0]["val_videos"]
-    assert_each_sample_once_per_epoch(seen, train, epochs=1, pad=len(train) % 2)
+    assert_each_sample_once_per_epoch(seen, train, pads=[len(train) % 2])

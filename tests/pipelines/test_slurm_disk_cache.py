@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.pipelines.coverage import clean_env
+from tests.helpers import REPO
+from tests.helpers.training import clean_env
 
 SCRIPTS = sorted((REPO / "pipelines" / "slurm").glob("*.sbatch"))
 JOB = "4242"

@@ -13,7 +13,7 @@ import pytest
 
 from precache.training.doctor import TimelineError, diagnose, load_timeline
 from precache.training.timeline import run_record
-from tests.conftest import precache_cli
+from tests.helpers import precache_cli
 from tests.precache.training.timeline_runs import train
 
 RECORDED = Path(__file__).with_name("timelines")

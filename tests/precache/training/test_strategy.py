@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from precache.training.checkpoint import load_checkpoint
-from tests.conftest import launch_ranks
+from tests.helpers import launch_ranks
 
 JOB = "tests.precache.training.strategy_job"
 

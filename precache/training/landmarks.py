@@ -1,0 +1,59 @@
+"""The faces landmark model: a small CNN that finds the 5 facial landmarks on cached face crops,
+its training transform and its inputs. ``pipelines/faces/train.py`` trains it with
+``precache.training.loop.fit``, ``pipelines/faces/train_lightning.py`` as a LightningModule.
+
+Targets are ``landmarks5`` in crop pixels / crop size (0..1). ``FaceAugment`` moves and
+re-indexes the points with the image, so a flip cannot teach the model to swap eyes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from precache.augment import FaceAugment
+from precache.loading.device import as_nchw
+
+__all__ = ["AUGMENT_COLUMNS", "AugmentForTraining", "LandmarkNet", "batch_to_inputs"]
+
+AUGMENT_COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # FaceAugment's
+
+
+class AugmentForTraining:
+    """FaceAugment, then only what the step uses: every tensor a worker sends costs a transfer."""
+
+    def __init__(self) -> None:
+        self.augment = FaceAugment()
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        out = self.augment(sample)
+        keep = {"key": sample["key"]} if "key" in sample else {}  # read only for --log-keys
+        return {"image": out["image"], "landmarks5": out["landmarks5"], **keep}
+
+
+def _conv_block(cin: int, cout: int) -> nn.Sequential:
+    # No bias: the batch norm right after it has its own.
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class LandmarkNet(nn.Module):
+    """Four stride-2 conv blocks, average pooling, a linear head: (N, 3, H, W) -> (N, 5, 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_conv_block(3, 32), _conv_block(32, 64),
+                                      _conv_block(64, 128), _conv_block(128, 128),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images)).view(-1, 5, 2)
+
+
+def batch_to_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 NHWC -> float NCHW (channels_last) in 0..1, and the targets in 0..1 of the crop."""
+    images = as_nchw(batch["image"]).float().div_(255)
+    return images, batch["landmarks5"].float() / images.shape[-1]

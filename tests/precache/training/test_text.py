@@ -1,0 +1,41 @@
+"""BucketLoader, the loader of the text task: its positions are samples, like a CacheLoader's,
+so the loop resumes a length-bucketed epoch on another number of ranks with every document once.
+(The ranks are LengthBucketSamplers given their rank and world size, in this process.)"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+
+from precache.loading.buckets import LengthBucketSampler
+from precache.training.text import BucketLoader
+
+
+def loaders(lengths: np.ndarray, world: int) -> list[BucketLoader]:
+    return [BucketLoader(list(range(len(lengths))),
+                         LengthBucketSampler(lengths, 2, seed=0, rank=rank, world_size=world),
+                         lambda batch: batch, workers=0, pin_memory=False)
+            for rank in range(world)]
+
+
+def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_document_once():
+    lengths = np.random.default_rng(0).integers(1, 50, 30)
+    first = loaders(lengths, 3)
+    trained = []
+    for loader in first:
+        loader.set_epoch(0)
+        trained += [i for batch in islice(loader, 2) for i in batch]  # 2 batches of 2 each
+    state = first[0].state_dict(consumed=4)  # samples: 2 batches of 2
+    assert state["done"] == [[3, 2, 2]] and state["epoch"] == 0
+
+    second = loaders(lengths, 2)
+    for loader in second:
+        loader.load_state_dict(state)
+        loader.set_epoch(0)  # keeps the resumed epoch
+    rest = [i for loader in second for batch in loader for i in batch]
+    counts = Counter(trained + rest)
+    assert set(counts) == set(range(30))
+    # 18 left: 5 global batches of 2 ranks x 2, the last filled by repeating 2 documents
+    assert sorted(counts.values()) == [1] * 28 + [2] * 2
