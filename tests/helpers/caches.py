@@ -42,3 +42,19 @@ def make_face_cache(root: Path, count: int, size: int, workers: int = 1) -> Path
     build_cache(root / "photos", root / "cache", pipeline="faces", params={"size": size},
                 workers=workers)
     return root / "cache"
+
+
+def make_video_cache(root: Path, per_label: int, seconds: float, size: int, frames: int) -> Path:
+    """A video-faces cache of sample videos from data/make_videos.py (``per_label`` real ones
+    and as many fakes of them, DFDC-style labels with ``original``): ``size`` px crops of
+    ``frames`` frames a video, through the ``precache`` command."""
+    from tests.helpers.files import load_script
+    from tests.helpers.processes import precache_cli
+
+    load_script(REPO / "data" / "make_videos.py", "make_videos").write_videos(
+        root / "videos", per_label=per_label, seconds=seconds)
+    done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
+                        "--set", f"size={size}", "--set", f"frames={frames}",
+                        "--set", f"labels={root / 'videos_metadata.json'}", "-q", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "cache"

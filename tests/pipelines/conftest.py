@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import precache
-from tests.helpers import REPO, load_script, make_face_cache, precache_cli
+from tests.helpers import build_cache, make_face_cache
+from tests.helpers.caches import make_video_cache
 
 WORDS = {"cats": "cat meow purr whiskers kitten fur paw tail".split(),
          "cars": "engine wheel road fuel brake gear tire motor".split()}
@@ -40,7 +40,7 @@ def text_cache(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``corpus`` through the text pipeline (the default tokenizer, MiniLM's): 54 documents to
     train on, 6 held out."""
     out = tmp_path_factory.mktemp("text") / "cache"
-    precache.run("text", corpus, out, workers=1, progress=False, log=lambda *a, **k: None)
+    build_cache(corpus, out, pipeline="text", workers=1)
     return out
 
 
@@ -48,11 +48,5 @@ def text_cache(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def video_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A video-faces cache of 8 short sample videos (4 real, 4 fakes of them, DFDC-style
     labels with ``original``), 32 px crops of 4 frames."""
-    root = tmp_path_factory.mktemp("videos")
-    load_script(REPO / "data" / "make_videos.py", "make_videos").write_videos(
-        root / "videos", per_label=4, seconds=1.0)
-    done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
-                        "--set", "size=32", "--set", "frames=4",
-                        "--set", f"labels={root / 'videos_metadata.json'}", "-q", timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return root / "cache"
+    return make_video_cache(tmp_path_factory.mktemp("videos"), per_label=4, seconds=1.0, size=32,
+                            frames=4)

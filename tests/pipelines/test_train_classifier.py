@@ -15,6 +15,7 @@ import pytest
 from precache.training.checkpoint import load_checkpoint
 from tests.helpers import (REPO, assert_each_sample_once_per_epoch, keys_per_epoch, load_script,
                            precache_cli, run_torchrun)
+from tests.helpers.caches import make_video_cache
 from tests.helpers.training import read_metrics
 
 TRAIN = REPO / "pipelines" / "faces" / "train_classifier.py"
@@ -23,14 +24,8 @@ TRAIN = REPO / "pipelines" / "faces" / "train_classifier.py"
 @pytest.fixture(scope="module")
 def labelled_videos(tmp_path_factory) -> Path:
     """32 sample videos (16 real, 16 fakes of them), DFDC-style labels with ``original``."""
-    root = tmp_path_factory.mktemp("classifier")
-    load_script(REPO / "data" / "make_videos.py", "make_videos").write_videos(
-        root / "videos", per_label=16, seconds=1.5)
-    done = precache_cli("run", "video-faces", "-i", str(root / "videos"), "-o", str(root / "cache"),
-                        "--set", "size=64", "--set", "frames=16",
-                        "--set", f"labels={root / 'videos_metadata.json'}", "-q", timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return root / "cache"
+    return make_video_cache(tmp_path_factory.mktemp("classifier"), per_label=16, seconds=1.5,
+                            size=64, frames=16)
 
 
 @pytest.mark.slow

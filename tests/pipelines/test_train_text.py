@@ -37,3 +37,26 @@ def test_a_vocabulary_smaller_than_the_cache_ids_is_a_clear_error(text_cache: Pa
         load_script(TRAIN, "text_train").main([
             "--cache", str(text_cache), "--out", str(tmp_path / "run"), "--epochs", "1",
             "--max-steps", "1", "--workers", "0", "--vocab-size", "1000"])
+
+
+def test_every_rank_validates_in_as_many_forward_passes_and_scores_each_document_once(
+        text_cache: Path):
+    """Under fsdp every forward pass gathers the parameters on all ranks: a rank with one batch
+    fewer would hang the others. 6 held-out documents over 4 ranks are shares of 2, 2, 1, 1."""
+    import torch
+
+    from precache.training.loop import Run
+    from precache.training.settings import Settings, training_parser
+    from precache.training.text import TextClassification, TextModel
+
+    settings = Settings.from_args(training_parser("", out="unused", lr=1e-3).parse_args(
+        ["--cache", str(text_cache), "--batch-size", "1", "--workers", "0"]))
+    passes, scored = [], 0
+    for rank in range(4):
+        task = TextClassification(lambda classes, lengths: TextModel(
+            torch.nn.Linear(1, 2), lambda net, ids, mask: net(ids[:, :1].float()), 30522, ""))
+        task.data(Run(settings, rank, 4, torch.device("cpu"), "fp32"))
+        passes.append(len(task.val_loader))
+        scored += task.val_scored
+        task.close()
+    assert passes == [2, 2, 2, 2] and scored == 6
