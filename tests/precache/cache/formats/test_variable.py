@@ -130,9 +130,11 @@ def test_a_damaged_offsets_column_raises_instead_of_serving_other_bytes(tmp_path
     flip(path, ends_offset(path, "blob", 20))  # row 20 now ends 1 byte off (row 21 starts so)
     reader = ParquetFormat().open(path, SCHEMA)
     check_rows(reader.read([3, 40]), data, [3, 40])  # rows away from it still read
-    for row in (20, 21):
+    for row in (20, 21):  # a few rows: one at a time; many: in one gather (both check)
         with pytest.raises(ValueError, match=f"s.parquet, column 'blob'.*row {row} .*damaged"):
             reader.read([row], ["blob"])
+        with pytest.raises(ValueError, match=f"s.parquet, column 'blob'.*row {row} .*damaged"):
+            reader.read(list(range(row, 50)), ["blob"])
     flip(path, ends_offset(path, "ids", 7))  # an odd number of bytes for uint16 ids
     with pytest.raises(ValueError, match="column 'ids'.*offsets column does not describe"):
         ParquetFormat().open(path, SCHEMA).read([0])
