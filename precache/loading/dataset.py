@@ -15,11 +15,20 @@ reading the rows of its next batch (``madvise(MADV_WILLNEED)``) before gathering
 a cold or larger-than-RAM cache reads with many disk requests in flight instead of one page
 fault at a time.
 
-**Decoded columns.** Strings, bytes and ragged columns, and the array columns of older Parquet
-caches (written in several pages or compressed), must be decoded a whole shard at a time. Each
-shard's reader keeps what it decoded, and the least recently used are dropped past
-``max_decoded_bytes``. When such columns of the whole cache fit that budget, a Parquet cache is
-decoded once per process into one array per column (``resident``).
+**Variable-length columns** (ragged token ids, JPEG/WebP bytes, strings) that stage 1 wrote in
+place (``precache.cache.formats.variable``) are read the same way: each row is a slice of the
+mapped file, checked against the length written before it. A batch that takes many rows of a
+shard reads them with a few NumPy calls a shard; one that takes a few rows of each of many
+shards, one row at a time through a row reader kept per open shard (a lookup a shard, a few
+Python operations a row). Ragged rows leave a worker as one array and its row ends
+(``RaggedRows``); encoded images are decoded straight into one batch array.
+
+**Decoded columns.** The variable-length and array columns of older caches (list columns,
+compressed, or written in several pages) must be decoded a whole shard at a time. Each shard's
+reader keeps what it decoded, and the least recently used are dropped past
+``max_decoded_bytes`` (``open_shards.OpenShards``). When such columns of the whole cache fit
+that budget, a Parquet cache is decoded once per process into one array per column
+(``resident``).
 
 A remote cache (``s3://...``) is read through a local ``DiskCache``: each process downloads a
 shard the first time it needs it (once per machine: processes share the folder), checks it
