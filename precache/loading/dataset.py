@@ -140,9 +140,9 @@ class CachedDataset:
         columns: columns to read (default: all). Reading fewer columns reads fewer bytes.
         transform: applied to each sample dict after reading (e.g. ``FaceAugment``).
         max_decoded_bytes: per process, the decoded data of columns that cannot be mapped
-            (strings, bytes, ragged, older caches' arrays) kept for later batches (default
+            (older caches' variable-length and array columns) kept for later batches (default
             1 GiB); past it the least recently used shards are dropped and decoded again when
-            next needed. Mapped columns take none of it.
+            next needed. Mapped and in-place columns take none of it.
         resident: hold the requested columns whole in this process's memory, so a batch is one
             gather. Default (None): only for Parquet caches with requested array columns that
             cannot be mapped (older caches) and that fit ``max_decoded_bytes``. ``True`` makes
