@@ -21,6 +21,7 @@ does the rest, the same way for every trainer:
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -297,4 +298,10 @@ def fit(task: Task, settings: Settings) -> None:
             break
     task.close()  # shard buffers go now, not during the interpreter's teardown
     log.close()
+    # What holds the process group (the wrapped model, a sharded optimizer, the reference cycles
+    # of their hooks) goes now, while the interpreter is whole: collected during its teardown
+    # at exit instead, a gloo rank sometimes aborted ("terminate called without an active
+    # exception") after its work was done.
+    del net, model, optimizer, schedule, scaler, save
+    gc.collect()
     cleanup()

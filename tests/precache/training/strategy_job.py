@@ -9,6 +9,7 @@ element of rank 0's gradient (its shard, under fsdp) at that step, with the loss
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,8 @@ def main() -> None:
     result.update(losses=losses, scales=scales, moved=moved,
                   params=full_parameters(strategy, model))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+    del model, optimizer, strategy  # they hold the process group: go before the teardown at exit
+    gc.collect()
     cleanup()
 
 
