@@ -18,7 +18,6 @@ column raises instead of serving another row's bytes (a flipped byte in a value 
 from __future__ import annotations
 
 import mmap
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,16 +46,6 @@ def ends_column(name: str) -> str:
 def row_ends(sizes: np.ndarray) -> np.ndarray:
     """Where each row ends in the PLAIN run, from the rows' value sizes in bytes."""
     return np.cumsum(np.asarray(sizes, dtype=np.int64) + PREFIX, dtype=np.int64)
-
-
-class _Items:
-    """``array[i]`` as a Python int (``ndarray.item``), indexable like a memoryview."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self._item = array.item
-
-    def __getitem__(self, i: int) -> int:
-        return self._item(i)
 
 
 class VariableColumn:
@@ -136,10 +125,9 @@ class VariableColumn:
         return made
 
     def _make_row_reader(self, buffers: bool) -> Callable[[int], Any]:
-        # int64 ends as Python ints: a memoryview's item is faster than ndarray.item
-        end: Any = (memoryview(self.ends).cast("B").cast("q")
-                    if sys.byteorder == "little" and self.ends.flags.c_contiguous
-                    else _Items(self.ends))
+        # int64 ends as Python ints: a memoryview's item is faster than ndarray.item (the
+        # little-endian file's bytes as native int64, as every mapped view of it reads them)
+        end = memoryview(np.ascontiguousarray(self.ends)).cast("B").cast("q")
         length, damaged = self._lengths.item, self._damaged
         if self.typed is not None and not buffers:  # the common case, inline: slices of a view
             typed, size = self.typed, self.typed.itemsize
