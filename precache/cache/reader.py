@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -163,12 +164,16 @@ class Cache:
             self._check_kept(info.path)
             raise
 
-    def reader(self, i: int) -> ShardReader:
-        """A reader over shard ``i`` (in manifest order). It reads physical rows: skip the
-        manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
+    def reader(self, i: int, columns: Sequence[str] | None = None) -> ShardReader:
+        """A reader over shard ``i`` (in manifest order), of ``columns`` (default: all; a reader
+        of fewer columns checks and maps only those, so it opens faster). It reads physical
+        rows: skip the manifest's ``deleted`` rows of that shard (``ShardInfo.live_indices``)."""
         info = self.manifest.shards[i]
+        schema = self.manifest.schema
+        if columns is not None:
+            schema = {name: schema[name] for name in columns}
         try:
-            reader = self.format.open(self.shard_path(i), self.manifest.schema)
+            reader = self.format.open(self.shard_path(i), schema)
             problem = reader.mismatch(info.rows)  # opens the file: it outlives a deletion now
         except FileNotFoundError:  # deleted since shard_path looked
             self._check_kept(info.path)

@@ -38,6 +38,7 @@ makes no remote reads while the folder holds the cache.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ from precache.cache.formats.variable import FEW_ROWS
 from precache.cache.image_codec import decode_image, encoded_columns
 from precache.loading.open_shards import OpenShards
 from precache.loading.pinned import open_pinned
+from precache.loading.row_table import RowTable
 from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
@@ -199,6 +201,8 @@ class CachedDataset:
             row_of.append(np.asarray(rows, dtype=np.int64))
         self._shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
         self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
+        # the index of each shard's first row (a shard's rows are consecutive indices), and len
+        self._first = np.cumsum([0, *map(len, row_of)], dtype=np.int64)
         self.release_mapped_bytes = release_mapped_bytes
         self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
         self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
@@ -209,7 +213,10 @@ class CachedDataset:
             _available_memory() // 2)
         self._warmer: ShardWarmer | None = None
         self._warmer_pid = 0
-        self._readers = OpenShards(self._cache.reader, max_open_shards, max_decoded_bytes)
+        self._warming_all = False  # this process queued every shard to the warmer
+        # readers of the requested columns only: a shard opens with fewer page headers to read
+        self._readers = OpenShards(functools.partial(self._cache.reader, columns=self.columns),
+                                   max_open_shards, max_decoded_bytes)
         self._resident: dict[str, np.ndarray] | None = None
         self.resident = self._fits_in_memory() if resident is None else bool(resident)
         if self.resident and any(schema[c].kind in ("bytes", "ragged") for c in self.columns):
@@ -281,7 +288,19 @@ class CachedDataset:
         state = dict(self.__dict__)
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
         state["_warmer"] = None  # a thread stays in its process
+        state["_warming_all"] = False
         return state
+
+    def _warm_every_shard(self) -> None:
+        """Queue every shard of this local cache to be read whole (``ShardWarmer``), once per
+        process: a cache that fits in memory then arrives in large sequential reads while the
+        batches fault in their own rows, instead of a shard at a time as batches touch them
+        (with small shards, a cold epoch opens hundreds of files)."""
+        if not self._warming_all:
+            self._warming_all = True
+            warmer = self._shard_warmer()
+            for shard in range(len(self._cache.manifest.shards)):
+                warmer.warm(self._cache.shard_path(shard))
 
     def _shard_warmer(self) -> ShardWarmer:
         if self._warmer is None or self._warmer_pid != os.getpid():  # none, or the parent's
@@ -333,9 +352,34 @@ class CachedDataset:
 
     def _lists_row_by_row(self, indices: np.ndarray, names: list[str]) -> dict[str, list] | None:
         """The variable-length columns ``names`` of rows ``indices``, in that order, read one
-        row at a time (``VariableColumn.row_reader``): a shard costs one lookup, a row a few
-        Python operations, where reading by shard costs a dozen NumPy calls a shard. ``None``
+        row at a time: through this process's ``RowTable`` (one slice a row, nothing a shard)
+        where their offsets were verified when opened, else ``_lists_by_row_reader``. ``None``
         if a shard holds one of them otherwise (an older cache): then they are read by shard."""
+        shard_ids = self._shard[indices]
+        table = self._readers.row_table(("rows", *names), lambda: RowTable(
+            names, [name in self._encoded for name in names], self._first, self._row))
+        if table.usable and (table.ready[shard_ids].all() or self._fill(table, shard_ids)):
+            self._mapped_read += int(table.row_bytes * len(indices))  # about
+            return table.read(indices, shard_ids)
+        return self._lists_by_row_reader(indices, names)
+
+    def _fill(self, table: RowTable, shard_ids: np.ndarray) -> bool:
+        """Open the shards of ``shard_ids`` that ``table`` lacks and add them; whether every one
+        of them is then ready (not if one cannot be added, or the batch touches more shards
+        than may be open at once)."""
+        wanted = np.unique(shard_ids)
+        ready = table.ready[wanted]
+        self._readers.keep(wanted[ready].tolist())  # not closed to open the others
+        for shard in wanted[~ready].tolist():
+            variable = self._readers.get(shard).variable()
+            if not table.add(shard, [variable.get(name) for name in table.names]):
+                return False
+        return bool(table.ready[wanted].all())
+
+    def _lists_by_row_reader(self, indices: np.ndarray, names: list[str]) -> dict[str, list] | None:
+        """``_lists_row_by_row`` through each shard's ``VariableColumn.row_reader`` (which checks
+        every row against its written length where the offsets carry no checksum): a shard
+        costs one lookup, a row a few Python operations."""
         shards, rows = self._shard[indices].tolist(), self._row[indices].tolist()
         distinct = list(dict.fromkeys(shards))  # each shard once
         names_key = tuple(names)
@@ -391,6 +435,8 @@ class CachedDataset:
         # a few rows of each of many shards: list columns row by row, in the order asked for
         row_by_row = bool(listed) and (not out or not storage_order) and (
             len(indices) < FEW_ROWS * len(self._cache.manifest.shards))
+        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is None:
+            self._warm_every_shard()
         groups = self._groups(indices) if out or self._faulting or not row_by_row else None
         if self._faulting and groups:  # ask for every row at once: the disk serves them in parallel
             self._will_need(groups)
@@ -449,8 +495,8 @@ class CachedDataset:
                     for name, values in lists.items()})
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
         if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
-            warmer = self._shard_warmer()
-            for shard, _, _ in groups:
+            warmer = self._shard_warmer()  # (a remote cache's: only the shards it has fetched)
+            for shard, _, _ in groups or []:
                 warmer.warm(self._reader(shard).path)
         if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
             for reader in self._readers.values():

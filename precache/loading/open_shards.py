@@ -5,7 +5,8 @@ data of columns that cannot be mapped (strings of older caches, compressed or mu
 columns; bounded by ``max_decoded_bytes``). Past either bound the least recently used reader is
 closed; it is opened (and decoded) again when next needed. Open files and maps belong to the
 process that opened them: a forked DataLoader worker starts with none of its parent's, and a
-pickled copy carries none."""
+pickled copy carries none. The ``RowTable``s of this process hold an entry per open reader and
+lose it when the reader is closed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from precache.cache.formats.base import ShardReader
+from precache.loading.row_table import RowTable
 
 __all__ = ["OpenShards"]
 
@@ -39,6 +41,7 @@ class OpenShards:
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
         self._memos: dict[int, dict[Any, Any]] = {}  # shard -> what callers derived from it
+        self._tables: dict[Any, RowTable] = {}
         self._pid = os.getpid()
 
     def get(self, shard: int) -> ShardReader:
@@ -61,6 +64,23 @@ class OpenShards:
                 memo = memos[shard] = {}
             found.append((reader, memo))
         return found
+
+    def row_table(self, key: Any, make: Callable[[], RowTable]) -> RowTable:
+        """This process's row table under ``key`` (made by ``make`` the first time): its entries
+        are emptied as readers close."""
+        if self._pid != os.getpid():
+            self._forget()
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = make()
+        return table
+
+    def keep(self, shards: Iterable[int]) -> None:
+        """Mark these open shards as just used, so that opening others closes them last (reads
+        through a ``RowTable`` do not pass through ``get``)."""
+        for shard in shards:
+            if shard in self._readers:
+                self._readers.move_to_end(shard)
 
     def _get(self, shard: int) -> ShardReader:
         reader = self._readers.get(shard)
@@ -86,6 +106,8 @@ class OpenShards:
         oldest, reader = self._readers.popitem(last=False)
         reader.close()
         self._memos.pop(oldest, None)
+        for table in self._tables.values():
+            table.drop(oldest)
         self._decoded_total -= self._decoded.pop(oldest, 0)
 
     def __len__(self) -> int:
@@ -103,5 +125,6 @@ class OpenShards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_readers=OrderedDict(), _decoded={}, _decoded_total=0, _memos={})
+        state.update(_readers=OrderedDict(), _decoded={}, _decoded_total=0, _memos={},
+                     _tables={})
         return state

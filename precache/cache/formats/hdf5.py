@@ -31,7 +31,8 @@ import h5py
 import numpy as np
 
 from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows, contiguous_runs
-from precache.cache.formats.variable import (PREFIX, VARIABLE_KINDS, VariableColumn, ends_column,
+from precache.cache.formats.variable import (PREFIX, VARIABLE_KINDS, VariableColumn,
+                                             check_ends, ends_checksum, ends_column,
                                              row_ends)
 from precache.cache.schema import ColumnSpec
 
@@ -42,6 +43,9 @@ KIND_ATTR = "precache_kind"
 
 DTYPE_ATTR = "precache_dtype"
 """Attribute of a ``ragged`` column's ``uint8`` run: the dtype of its values."""
+
+CRC_ATTR = "precache_crc32"
+"""Attribute of a ``<name>__ends`` dataset: its CRC-32 (``variable.ends_checksum``)."""
 
 _MAX_ROW = 1 << 32  # the 4-byte length before each row
 
@@ -56,6 +60,12 @@ def _same_dtype(a: str, b: str) -> bool:
         return np.dtype(a) == np.dtype(b)
     except TypeError:
         return False
+
+
+def _checksum(dataset: h5py.Dataset) -> int | None:
+    """An ends dataset's stored CRC-32, or ``None`` (a shard written before it was stored)."""
+    value = dataset.attrs.get(CRC_ATTR)
+    return None if value is None else int(value)
 
 
 def _is_run(dataset: h5py.Dataset) -> bool:
@@ -180,7 +190,8 @@ class HDF5ShardReader(ShardReader):
                         or ends.dtype != np.int64 or ends.ndim != 1):
                     continue
                 # plain ndarray views (a memmap's slices would be memmaps); they keep it open
-                found[name] = VariableColumn(np.asarray(run), np.asarray(ends), spec, where)
+                found[name] = VariableColumn(np.asarray(run), np.asarray(ends), spec, where,
+                                             _checksum(file[ends_name]))
                 runs[name] = (run, ends)
             self._variable, self._runs = found, runs
         return self._variable
@@ -259,9 +270,10 @@ class HDF5ShardReader(ShardReader):
         order."""
         file, spec = self._open(), self.schema[name]
         dataset, ends = file[name], file[ends_column(name)][...].astype(np.int64)
+        where = f"{self.path}, column {name!r}"
+        check_ends(ends, _checksum(file[ends_column(name)]), where)
         rows = np.arange(len(ends)) if indices is None else indices
         unique, inverse = np.unique(rows, return_inverse=True)
-        where = f"{self.path}, column {name!r}"
         gathered: list[Any] = []
         for a, b in contiguous_runs(unique):
             low, high = (int(ends[a - 1]) if a else 0), int(ends[b - 1])
@@ -346,7 +358,8 @@ class HDF5Format(ShardFormat):
                     dataset.attrs[KIND_ATTR] = spec.kind
                     if spec.kind == "ragged":
                         dataset.attrs[DTYPE_ATTR] = spec.dtype
-                    f.create_dataset(ends_column(name), data=ends, track_times=False)
+                    stored = f.create_dataset(ends_column(name), data=ends, track_times=False)
+                    stored.attrs[CRC_ATTR] = ends_checksum(ends)
                 else:
                     f.create_dataset(name, data=np.asarray(values, dtype=spec.dtype),
                                      track_times=False)

@@ -39,8 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from precache.cache.formats.base import ShardFormat, ShardReader, advise_rows
-from precache.cache.formats.variable import (VARIABLE_KINDS, VariableColumn, ends_column,
-                                             row_ends)
+from precache.cache.formats.variable import (VARIABLE_KINDS, VariableColumn, ends_checksum,
+                                             ends_column, row_ends)
 from precache.cache.schema import ColumnSpec, schema_from_json, schema_to_json
 
 __all__ = ["ParquetFormat", "ParquetShardReader", "mapped_offsets", "MAPPED_KINDS"]
@@ -209,6 +209,19 @@ def _value_sizes(array: pa.Array) -> np.ndarray:
 SCHEMA_KEY = b"precache.schema"
 """The Parquet footer's key-value entry holding the precache schema the shard was written with."""
 
+ENDS_CRC_KEY = b"precache.ends_crc32"
+"""The Parquet footer's key-value entry holding, as JSON, the CRC-32 of each variable-length
+column's offsets (``{name: crc}``; ``variable.ends_checksum``)."""
+
+
+def _ends_checksums(file: pq.ParquetFile) -> dict[str, int]:
+    """The footer's ``ENDS_CRC_KEY`` entry; empty for a shard written before it existed."""
+    try:
+        found = json.loads((file.metadata.metadata or {})[ENDS_CRC_KEY])
+        return {str(k): int(v) for k, v in found.items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return {}
+
 
 def _stored_as(spec: ColumnSpec) -> Callable[[pa.DataType], bool]:
     """Whether an Arrow type in a file's footer is how ``spec`` is stored (older precache
@@ -284,8 +297,11 @@ class ParquetShardReader(ShardReader):
         lives while it is mapped), and the reader holds one descriptor (the map's)."""
         if self._file is None:
             if self._map is None:
-                with open(self.path, "rb") as f:
-                    self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                fd = os.open(self.path, os.O_RDONLY)  # (a Python file object costs 4x more)
+                try:
+                    self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
                 # No read-around on a page fault: the kernel would read up to read_ahead_kb
                 # (often MBs) around each randomly read row. Reads ask for what they need
                 # (will_need) instead.
@@ -341,12 +357,14 @@ class ParquetShardReader(ShardReader):
             ends = {n: views.pop(ends_column(n)) for n, spec in self.schema.items()
                     if ends_column(n) in views and n not in views}
             runs = variable_runs(file, self._map, self.schema, ends)
+            checksums = _ends_checksums(file) if runs else {}
             self._file = None  # its parsed footer is private memory; reopened if ever needed
             self._variable, self._runs = {}, {}
             for name, (offset, size) in runs.items():
                 run = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=offset)
                 self._variable[name] = VariableColumn(run, ends[name], self.schema[name],
-                                                      f"{self.path}, column {name!r}")
+                                                      f"{self.path}, column {name!r}",
+                                                      checksums.get(name))
                 self._runs[name] = offset
             self._offsets = {n: o for n, o in offsets.items() if n in views}
             self._views = views
@@ -442,15 +460,21 @@ class ParquetFormat(ShardFormat):
             ValueError: a column's name is taken by another column's offsets (``<name>__ends``).
         """
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
+        checksums = {}
         for name, spec in schema.items():
             if spec.kind in VARIABLE_KINDS:
                 if ends_column(name) in schema:
                     raise ValueError(f"column {ends_column(name)!r} would hide where the rows "
                                      f"of column {name!r} end; rename it")
-                arrays[ends_column(name)] = pa.array(row_ends(_value_sizes(arrays[name])))
+                ends = row_ends(_value_sizes(arrays[name]))
+                checksums[name] = ends_checksum(ends)
+                arrays[ends_column(name)] = pa.array(ends)
         fields = [pa.field(name, array.type, nullable=False) for name, array in arrays.items()]
-        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(
-            fields, metadata={SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}))
+        metadata = {SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}
+        if checksums:
+            metadata[ENDS_CRC_KEY] = json.dumps(checksums, sort_keys=True)
+        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(fields,
+                                                                             metadata=metadata))
         rows = max(1, len(table))
         largest = max(((array.nbytes, name) for name, array in arrays.items()), default=(0, ""))
         one_page = largest[0] <= MAX_PAGE_BYTES

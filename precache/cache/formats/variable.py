@@ -10,14 +10,19 @@ the values because PLAIN's lengths sit between the rows: finding row ``i`` from 
 walking every row before it. Ragged numbers are stored at their own width as raw little-endian
 bytes (uint16 token ids take 2 bytes; Parquet's smallest integer is 4).
 
-Every row handed out is checked against the length written before it, so a damaged offsets
-column raises instead of serving another row's bytes (a flipped byte in a value is
-``precache verify``'s job: the file's checksum).
+**Integrity.** A damaged offsets column must raise, not serve another row's bytes. Stage 1
+stores a CRC-32 of each offsets column in the shard (``ends_checksum``; the Parquet footer's
+``precache.ends_crc32`` entry, an HDF5 attribute), and opening the column checks it: 8 bytes a
+row, read once per open, after which a row needs no check of its own (``verified``), so a row
+costs one slice, as a row of a flat memmap does. Shards written before that checksum existed
+check every row handed out against the length written before it instead. (A flipped byte in a
+value is ``precache verify``'s job: the file's checksum.)
 """
 
 from __future__ import annotations
 
 import mmap
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +31,9 @@ import numpy as np
 from precache.cache.formats.base import contiguous_runs
 from precache.cache.schema import ColumnSpec
 
-__all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "PREFIX", "FEW_ROWS"]
+__all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "ends_checksum",
+           "check_ends",
+           "PREFIX", "FEW_ROWS"]
 
 VARIABLE_KINDS = ("ragged", "bytes", "str")
 """Column kinds whose rows differ in length."""
@@ -48,6 +55,23 @@ def row_ends(sizes: np.ndarray) -> np.ndarray:
     return np.cumsum(np.asarray(sizes, dtype=np.int64) + PREFIX, dtype=np.int64)
 
 
+def ends_checksum(ends: np.ndarray) -> int:
+    """CRC-32 of an offsets column as the file stores it (little-endian int64)."""
+    return zlib.crc32(np.ascontiguousarray(ends, dtype="<i8"))
+
+
+def check_ends(ends: np.ndarray, checksum: int | None, where: str) -> None:
+    """Raise unless ``ends`` matches the checksum stage 1 stored for it (``None``: none stored).
+
+    Raises:
+        ValueError: they differ (a damaged file), naming ``where`` (the file and column).
+    """
+    if checksum is not None and ends_checksum(ends) != checksum:
+        raise ValueError(f"{where}: its offsets column differs from the checksum stage 1 "
+                         "wrote; the file is damaged: run `precache verify` on the cache "
+                         "and rebuild it")
+
+
 class VariableColumn:
     """The rows of one variable-length column of a mapped shard (see the module docstring).
 
@@ -56,14 +80,22 @@ class VariableColumn:
         ends: where each row ends in ``run`` (an int64 view of the mapped file).
         spec: the column's spec.
         where: the file and column, for messages.
+        checksum: the CRC-32 stage 1 stored for ``ends`` (``ends_checksum``), or ``None`` for a
+            shard written before it did (then every row is checked as it is read).
+
+    Attributes:
+        verified: ``ends`` matched its stored checksum, so rows are served unchecked.
 
     Raises:
-        ValueError: ``ends`` cannot describe this run (not increasing, not ending at the run's
-            end, or not whole values of the column's dtype).
+        ValueError: ``ends`` differs from its checksum or cannot describe this run (not
+            increasing, not ending at the run's end, or not whole values of the column's dtype).
     """
 
-    def __init__(self, run: np.ndarray, ends: np.ndarray, spec: ColumnSpec, where: str) -> None:
+    def __init__(self, run: np.ndarray, ends: np.ndarray, spec: ColumnSpec, where: str,
+                 checksum: int | None = None) -> None:
         self.run, self.ends, self.spec, self.where = run, ends, spec, where
+        check_ends(ends, checksum, where)
+        self.verified = checksum is not None
         sizes = np.diff(ends, prepend=0) - PREFIX
         itemsize = np.dtype(spec.dtype).itemsize if spec.kind == "ragged" else 1
         if len(ends) and (ends[-1] != len(run) or sizes.min() < 0
@@ -87,7 +119,8 @@ class VariableColumn:
         return len(self.ends)
 
     def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts, stops)``: the rows' bytes in ``run``, each checked against its length.
+        """``(starts, stops)``: the rows' bytes in ``run``, each checked against its length
+        (unless the offsets were ``verified``).
 
         Raises:
             ValueError: a row's written length differs from its offsets (a damaged file).
@@ -96,6 +129,8 @@ class VariableColumn:
         stops = self.ends[rows]
         heads = self.ends[rows - 1]  # row 0: the last end, the run's length: 0 modulo it
         heads %= len(self.run)
+        if self.verified:
+            return heads + PREFIX, stops
         sizes = stops - heads - PREFIX
         if (self._lengths[heads] != sizes).any():
             bad = int(np.flatnonzero(self._lengths[heads] != sizes)[0])
@@ -127,8 +162,11 @@ class VariableColumn:
     def _make_row_reader(self, buffers: bool) -> Callable[[int], Any]:
         # int64 ends as Python ints: a memoryview's item is faster than ndarray.item (the
         # little-endian file's bytes as native int64, as every mapped view of it reads them)
-        end = memoryview(np.ascontiguousarray(self.ends)).cast("B").cast("q")
+        end = self.ends_view()
         length, damaged = self._lengths.item, self._damaged
+        if self.verified:
+            value = self._value_maker(buffers)
+            return lambda i: value((end[i - 1] if i else 0) + PREFIX, end[i])
         if self.typed is not None and not buffers:  # the common case, inline: slices of a view
             typed, size = self.typed, self.typed.itemsize
 
@@ -148,6 +186,27 @@ class VariableColumn:
                 damaged(i, length(head), stop - head - PREFIX)
             return value(head + PREFIX, stop)
         return row
+
+    def slicer(self, buffers: bool = False) -> tuple[Any, int, Callable[[Any], Any] | None]:
+        """``(values, shift, finish)``: row ``i``'s value (as ``rows``, or ``buffers`` with
+        ``buffers``) is ``values[start >> shift : stop >> shift]`` passed through ``finish``
+        (unless ``None``), where ``start, stop`` are its bytes in ``run``: for loops that read
+        rows of many shards and would rather not call a function a row."""
+        if buffers:
+            return self._data, 0, None
+        if self.typed is not None:
+            return self.typed, self.typed.itemsize.bit_length() - 1, None
+        if self.spec.kind == "ragged":
+            dtype = self.dtype
+            return self.run, 0, lambda value: value.view(dtype)
+        if self.spec.kind == "str":
+            return self._data, 0, lambda value: str(value, "utf-8")
+        return self._data, 0, bytes
+
+    def ends_view(self) -> memoryview:
+        """``ends`` as a memoryview of int64 (an item of it is a Python int, at less cost than
+        an ndarray item)."""
+        return memoryview(np.ascontiguousarray(self.ends)).cast("B").cast("q")
 
     def _value_maker(self, buffers: bool) -> Callable[[int, int], Any]:
         """``(start, stop) -> value`` of the bytes ``run[start:stop]``."""

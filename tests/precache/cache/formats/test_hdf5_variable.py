@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import precache
-from precache.cache.formats.hdf5 import HDF5Format, HDF5ShardReader
+from precache.cache.formats.hdf5 import CRC_ATTR, HDF5Format, HDF5ShardReader
 from precache.cache.formats.variable import VariableColumn, ends_column
 from precache.cache.schema import ColumnSpec, ragged, rows_to_columns
 from precache.loading import CachedDataset
@@ -205,10 +205,25 @@ def test_the_manifest_is_checked_against_the_run_and_its_ends(tmp_path):
     assert problem is not None and "wide__ends" in problem
 
 
-def test_a_damaged_ends_value_raises_instead_of_serving_other_bytes(tmp_path):
+def test_a_damaged_ends_value_raises_when_the_shard_is_opened(tmp_path):
     rows = make_rows(12)
     path = write(tmp_path / "s.h5", rows)
     with h5py.File(path, "r+") as f:
+        f["blob__ends"][4] += 2  # rows 4 and 5 (4 and 7 bytes) now seem 6 and 5
+    reader = HDF5Format().open(path, SCHEMA)
+    assert reader.mismatch(12) is None  # the run's total is intact: its checksum finds it
+    with pytest.raises(ValueError, match="s.h5, column 'blob': its offsets column differs "
+                                         "from the checksum"):
+        reader.read([0], ["key"])
+    reader.close()
+
+
+def test_a_damaged_ends_value_of_a_shard_without_checksums_raises_row_by_row(tmp_path):
+    rows = make_rows(12)
+    path = write(tmp_path / "s.h5", rows)
+    with h5py.File(path, "r+") as f:
+        for name in ("key", "blob", "ids", "wide"):  # as written before checksums were stored
+            del f[f"{name}__ends"].attrs[CRC_ATTR]
         f["blob__ends"][4] += 2  # rows 4 and 5 (4 and 7 bytes) now seem 6 and 5
     reader = HDF5Format().open(path, SCHEMA)
     assert reader.mismatch(12) is None  # the run's total is intact: only reading finds it

@@ -123,12 +123,39 @@ def ends_offset(path: Path, name: str, row: int) -> int:
     return chunk.data_page_offset + chunk.total_compressed_size - 8 * (meta.num_rows - row)
 
 
-def test_a_damaged_offsets_column_raises_instead_of_serving_other_bytes(tmp_path):
+def write_without_checksums(path: Path, data: dict, schema: dict, monkeypatch) -> None:
+    """A shard as precache wrote it before it stored a checksum of each offsets column."""
+    import precache.cache.formats.parquet as parquet_format
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parquet_format, "ENDS_CRC_KEY", b"not.precache.ends_crc32")
+        ParquetFormat().write(path, data, schema)
+
+
+def test_a_damaged_offsets_column_raises_when_the_shard_is_opened(tmp_path):
     data = columns(50, seed=2)
     path = tmp_path / "s.parquet"
     ParquetFormat().write(path, data, SCHEMA)
+    reader = ParquetFormat().open(path, SCHEMA)
+    assert all(column.verified for column in reader.variable().values())
+    reader.close()
+    for name, row in (("blob", 20), ("ids", 0), ("key", 30)):
+        flip(path, ends_offset(path, name, row) + 1)  # a higher byte: the order still holds
+        with pytest.raises(ValueError, match=f"s.parquet, column '{name}': its offsets column "
+                                             "differs from the checksum .* damaged"):
+            ParquetFormat().open(path, SCHEMA).read([3])  # any row: the shard is not served
+        flip(path, ends_offset(path, name, row) + 1)  # mended
+    check_rows(ParquetFormat().open(path, SCHEMA).read([3, 40]), data, [3, 40])
+
+
+def test_a_damaged_offsets_column_of_a_shard_without_checksums_raises_row_by_row(
+        tmp_path, monkeypatch):
+    data = columns(50, seed=2)
+    path = tmp_path / "s.parquet"
+    write_without_checksums(path, data, SCHEMA, monkeypatch)
     flip(path, ends_offset(path, "blob", 20))  # row 20 now ends 1 byte off (row 21 starts so)
     reader = ParquetFormat().open(path, SCHEMA)
+    assert not any(column.verified for column in reader.variable().values())
     check_rows(reader.read([3, 40]), data, [3, 40])  # rows away from it still read
     for row in (20, 21):  # a few rows: one at a time; many: in one gather (both check)
         with pytest.raises(ValueError, match=f"s.parquet, column 'blob'.*row {row} .*damaged"):
@@ -258,4 +285,74 @@ def test_ragged_rows_cross_to_the_training_process_as_one_array(ragged_cache):
             seen[key] = ids
     assert sorted(seen) == sorted(truth)
     assert all(np.array_equal(seen[k], truth[k]) and seen[k].dtype == np.uint16 for k in truth)
+    dataset.close()
+
+
+def read_truth(cache: Path) -> dict:
+    everything = precache.Cache(cache).read_all(["key", "ids"])
+    return dict(zip(everything["key"], everything["ids"]))
+
+
+def check_batch(batch: dict, truth: dict, keys: list[str]) -> None:
+    assert batch["key"] == keys
+    for key, ids in zip(batch["key"], batch["ids"]):
+        assert ids.dtype == np.uint16 and np.array_equal(ids, truth[key])
+
+
+def test_rows_of_many_shards_are_read_through_one_table_while_shards_close_and_reopen(
+        ragged_cache):
+    truth = read_truth(ragged_cache)
+    keys = precache.Cache(ragged_cache).read_all(["key"])["key"]
+    dataset = CachedDataset(ragged_cache, columns=["key", "ids"], max_open_shards=2)
+    assert len(dataset._cache.manifest.shards) == 4
+    for order in ([59, 0, 20, 40, 5, 33],  # 4 shards, more than may be open: read otherwise
+                  [0, 17, 1], [40, 59, 33, 2], [18, 50, 20], [3, 3, 34]):  # 2 at a time
+        check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
+    (table,) = dataset._readers._tables.values()
+    assert table.usable and table.ready.sum() == 2  # the two shards open now
+    assert len(dataset._readers) == 2
+    dataset.close()
+
+
+def test_a_cache_with_shards_written_before_checksums_reads_the_same(
+        ragged_cache, tmp_path, monkeypatch):
+    import shutil
+
+    cache = tmp_path / "mixed"
+    shutil.copytree(ragged_cache, cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][1]  # one shard as the previous precache wrote it
+    path = cache / shard["path"]
+    schema = {n: ColumnSpec.from_json(s) for n, s in manifest["schema"].items()}
+    table = pq.read_table(path)
+    data = {n: table.column(n).to_pylist() for n in schema}
+    data.update({n: [np.frombuffer(v, spec.dtype) for v in data[n]]
+                 for n, spec in schema.items() if spec.kind == "ragged"})
+    path.unlink()
+    write_without_checksums(path, data, schema, monkeypatch)
+    shard["bytes"], shard["checksum"] = path.stat().st_size, file_checksum(path)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert precache.verify(cache) == []
+    truth, keys = read_truth(ragged_cache), precache.Cache(cache).read_all(["key"])["key"]
+    dataset = CachedDataset(cache, columns=["key", "ids"])
+    order = list(range(59, -1, -7)) + [20, 20]
+    check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
+    (table,) = dataset._readers._tables.values()
+    assert not table.usable  # shard 1's rows are checked one by one instead
+    dataset.close()
+
+
+def test_a_dataset_refuses_a_shard_whose_offsets_were_damaged(ragged_cache, tmp_path):
+    import shutil
+
+    cache = tmp_path / "damaged"
+    shutil.copytree(ragged_cache, cache)
+    shard = precache.Cache(cache).manifest.shards[2]
+    flip(cache / shard.path, ends_offset(cache / shard.path, "ids", 3) + 1)  # order kept
+    truth, keys = read_truth(ragged_cache), precache.Cache(ragged_cache).read_all(["key"])["key"]
+    dataset = CachedDataset(cache, columns=["key", "ids"])
+    check_batch(dataset.read_batch([0, 20, 59]), truth, [keys[i] for i in (0, 20, 59)])
+    with pytest.raises(ValueError, match=f"{shard.path}, column 'ids': its offsets column "
+                                         "differs from the checksum"):
+        dataset.read_batch([0, 20, 40])  # row 40 lies in shard 2
     dataset.close()

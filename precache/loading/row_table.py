@@ -1,0 +1,113 @@
+"""Rows of variable-length columns across every open shard, one Python slice a row.
+
+A shuffled batch of a large cache takes about one row from each shard it touches, so anything
+done once per shard (a reader lookup, a NumPy call) costs more than the row itself: with
+256-row shards a batch of 256 touches ~200 shards. Reading each row's offsets from its shard's
+mapped ``<name>__ends`` column costs too: two reads from a different file's page for every row.
+``RowTable`` therefore keeps, per column, where every row of the dataset starts and stops in
+its shard's values (two ``uint32`` a row, in this process's memory, filled from a shard's
+offsets the first time this process opens it), and a list, by shard number, of each open
+shard's values (a typed view or the bytes of the mapped file). A batch then costs two NumPy
+gathers and one slice a row, as a NumPy memmap of all values with an offsets array does.
+FFCV keeps such a table per process too (a pointer and a size a sample); the dataset's own
+index (shard and row of every index) already takes 12 bytes a row.
+
+Only columns whose offsets were verified against their checksum when the shard was opened
+(``VariableColumn.verified``) are served here: their rows need no check of their own. Shards
+written before that checksum existed are read through ``VariableColumn.row_reader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from precache.cache.formats.variable import PREFIX, VariableColumn
+
+__all__ = ["RowTable"]
+
+_LIMIT = 1 << 32
+"""Bounds are stored as uint32: a run of 4 GiB or more (HDF5 only) is read another way."""
+
+
+class RowTable:
+    """Columns ``names`` of a dataset, by dataset index (see the module docstring).
+
+    Args:
+        names: the columns, in the order ``read`` returns them.
+        buffers: for each column, whether rows are wanted as views of the file's bytes
+            (``VariableColumn.buffers``: an encoded image for a decoder) rather than values.
+        first: the dataset index of each shard's first row, and the dataset's length last
+            (``len(first)`` = shards + 1: a shard's rows are consecutive indices).
+        rows: the row in its shard of every dataset index.
+
+    Attributes:
+        ready: a bool per shard, True where the shard is open and its rows can be read.
+        usable: False once a shard could not be added (not read in place, not verified, or
+            4 GiB or more of one column): the caller reads this cache another way from then on.
+    """
+
+    def __init__(self, names: Sequence[str], buffers: Sequence[bool], first: np.ndarray,
+                 rows: np.ndarray) -> None:
+        self.names, self.buffers = list(names), list(buffers)
+        self._first, self._rows = first, rows
+        shards = len(first) - 1
+        self.ready = np.zeros(shards, dtype=bool)
+        self._filled = np.zeros(shards, dtype=bool)  # bounds written (they outlive a close)
+        self.usable = True
+        self._starts = [np.zeros(len(rows), dtype=np.uint32) for _ in self.names]
+        self._stops = [np.zeros(len(rows), dtype=np.uint32) for _ in self.names]
+        self._values: list[list[Any]] = [[None] * shards for _ in self.names]
+        self._finish: list[Any] = [None] * len(self.names)
+        self._bytes_sum, self._count = 0.0, 0
+
+    @property
+    def row_bytes(self) -> float:
+        """The mean bytes of a row (all columns) over the shards added so far."""
+        return self._bytes_sum / self._count if self._count else 0.0
+
+    def add(self, shard: int, columns: Sequence[VariableColumn | None]) -> bool:
+        """Make shard ``shard`` ready from its open columns (in ``names`` order). False, leaving
+        it not ready and the table unusable, if one cannot be served here."""
+        if not all(column is not None and column.verified and len(column.run) < _LIMIT
+                   for column in columns):
+            self.usable = False
+            return False
+        lo, hi = int(self._first[shard]), int(self._first[shard + 1])
+        for k, column in enumerate(columns):
+            assert column is not None  # checked above
+            values, shift, finish = column.slicer(self.buffers[k])
+            if not self._filled[shard]:
+                rows = self._rows[lo:hi]
+                heads = np.where(rows > 0, column.ends[rows - 1], 0)  # row 0 starts the run
+                self._starts[k][lo:hi] = (heads + PREFIX) >> shift
+                self._stops[k][lo:hi] = column.ends[rows] >> shift
+            self._values[k][shard], self._finish[k] = values, finish
+        self._filled[shard] = True
+        self._bytes_sum += sum(column.row_bytes for column in columns if column is not None)
+        self._count += 1
+        self.ready[shard] = True
+        return True
+
+    def drop(self, shard: int) -> None:
+        """Shard ``shard`` is being closed: let go of its values (its bounds stay: a shard file
+        never changes, and ``add`` checks the offsets again when it is reopened)."""
+        if shard < len(self.ready) and self.ready[shard]:
+            self.ready[shard] = False
+            for values in self._values:
+                values[shard] = None
+
+    def read(self, indices: np.ndarray, shards: np.ndarray) -> dict[str, list[Any]]:
+        """Each column's values of dataset rows ``indices`` (whose shards are ``shards``), in
+        that order. Every one of those shards must be ``ready``."""
+        out = {}
+        which = shards.tolist()
+        for k, name in enumerate(self.names):
+            starts, stops = self._starts[k][indices].tolist(), self._stops[k][indices].tolist()
+            values = self._values[k]
+            got = [values[s][a:b] for s, a, b in zip(which, starts, stops)]
+            finish = self._finish[k]
+            out[name] = got if finish is None else [finish(value) for value in got]
+        return out
