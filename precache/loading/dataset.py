@@ -17,10 +17,10 @@ fault at a time.
 
 **Variable-length columns** (ragged token ids, JPEG/WebP bytes, strings) that stage 1 wrote in
 place (``precache.cache.formats.variable``) are read the same way: each row is a slice of the
-mapped file, checked against the length written before it. A batch that takes many rows of a
-shard reads them with a few NumPy calls a shard; one that takes a few rows of each of many
-shards, one row at a time through a row reader kept per open shard (a lookup a shard, a few
-Python operations a row). Ragged rows leave a worker as one array and its row ends
+mapped file (its shard's offsets checked against their checksum when the shard is opened). A
+batch that takes many rows of a shard reads them with a few NumPy calls a shard; one that
+takes a few rows of each of many shards, through this process's ``RowTable`` (two gathers and
+one slice a row, nothing a shard). Ragged rows leave a worker as one array and its row ends
 (``RaggedRows``); encoded images are decoded straight into one batch array.
 
 **Decoded columns.** The variable-length and array columns of older caches (list columns,
