@@ -417,13 +417,17 @@ class CachedDataset:
                 not gathered and then put in order (a shuffled batch is as random either way).
                 ``make_loader``'s batches ask for it.
         """
-        indices = np.asarray(indices, dtype=np.int64)
-        if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
+        given = getattr(indices, "array", None)  # make_loader's IndexBatch carries its array
+        indices = np.asarray(indices if given is None or len(given) != len(indices) else given,
+                             dtype=np.int64)
+        low = int(indices.min()) if indices.size else 0
+        if indices.size and (low < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
         if self.resident:
             return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
                     for name, values in self._resident_columns().items()}
-        indices = np.where(indices < 0, indices + len(self), indices)
+        if low < 0:
+            indices = np.where(indices < 0, indices + len(self), indices)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         schema = self._cache.manifest.schema
         out: dict[str, Any] = {}

@@ -55,8 +55,9 @@ class IndexBatch(list):
     """The indices of one batch, plus ``ahead``: those of a later batch the same worker will
     read (``None`` near the end of the epoch), and ``storage_order``: the dataset may return
     the samples in the order it stores them (the batch holds the same samples; a shuffled
-    batch is as random in any order). A list, so every dataset and collate accepts it; it
-    keeps its attributes when pickled to a worker."""
+    batch is as random in any order). ``array``: the same indices as an int64 array (a dataset
+    that reads batches need not convert the list back). A list, so every dataset and collate
+    accepts it; it keeps its attributes when pickled to a worker."""
 
     ahead: list[int] | None = None
     storage_order = True
@@ -83,7 +84,9 @@ class ReadAheadBatches(Sampler[list[int]]):
         mine = self.sampler.indices()
         size = self.batch_size
         for start in range(0, len(mine), size):
-            batch = IndexBatch(mine[start:start + size].tolist())
+            chunk = mine[start:start + size]
+            batch = IndexBatch(chunk.tolist())
+            batch.array = chunk
             later = start + self.ahead_by * size
             if later < len(mine):
                 batch.ahead = mine[later:later + size].tolist()
