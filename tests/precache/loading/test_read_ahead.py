@@ -115,6 +115,28 @@ def test_read_ahead_covers_variable_length_columns(tmp_path):
     dataset.close()
 
 
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
+def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cache):
+    shards = [precache.Cache(cache).shard_path(i) for i in range(3)]
+    gc.collect()
+    os.sync()
+    for shard in shards:
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    pages = [-(-shard.stat().st_size // os.sysconf("SC_PAGE_SIZE")) for shard in shards]
+    assert _resident_pages(shards[2]) < pages[2]
+    dataset = CachedDataset(cache, columns=["image"])
+    assert dataset.read_batch([0, 1, 2])["image"].shape == (3, 64, 64, 3)  # shard 0's rows only
+    deadline = time.monotonic() + 30  # every shard, not only the one it read, is read whole
+    while ([_resident_pages(s) for s in shards] != pages) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [_resident_pages(s) for s in shards] == pages
+    dataset.close()
+
+
 def _mapped_kb(paths: set[str]) -> int:
     """Resident kB of this process's mappings of ``paths`` (from /proc/self/smaps)."""
     total, counting = 0, False
