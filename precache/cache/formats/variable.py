@@ -32,8 +32,7 @@ from precache.cache.formats.base import contiguous_runs
 from precache.cache.schema import ColumnSpec
 
 __all__ = ["VARIABLE_KINDS", "VariableColumn", "ends_column", "row_ends", "ends_checksum",
-           "check_ends",
-           "PREFIX", "FEW_ROWS"]
+           "check_ends", "PREFIX", "FEW_ROWS"]
 
 VARIABLE_KINDS = ("ragged", "bytes", "str")
 """Column kinds whose rows differ in length."""
