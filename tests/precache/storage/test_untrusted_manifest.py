@@ -132,7 +132,8 @@ def test_a_local_cache_whose_manifest_names_a_file_outside_it_is_refused(
     manifest = json.loads((cache / "manifest.json").read_text())
     manifest["shards"][1]["path"] = str(victim)
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ManifestError, match=r"shards\[1\]\.path is '/.*victim.parquet', expected "
+    # the value is shortened past 80 characters (a long temporary folder): its start is enough
+    with pytest.raises(ManifestError, match=r"shards\[1\]\.path is '/.*, expected "
                                             r"shards/part-NNNNN-<16 hex digits>\.parquet"):
         Cache(cache)
     done = precache_cli("verify", str(cache))
