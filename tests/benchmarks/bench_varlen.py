@@ -42,6 +42,12 @@ match the limit's (``check``), so every reader read every row once. Workers' USS
 precache cache's bytes. Rates are samples/s, with ratios to the limit measured in the same run:
 compare ratios, not absolute numbers, across machines.
 
+``--ranks R`` runs each of the limit and precache as R processes on this node (ranks, forked;
+each with its ``--workers``), each reading its share of every epoch (``make_loader(rank=,
+world_size=)``; the limit: ``DistributedSampler``), started together: the rate is all ranks'
+rows over the slowest rank's time, and USS is the ranks' and their workers' together. LitData
+and HF are not run then.
+
 ``--max-batches K`` cuts every epoch after K batches (caches larger than RAM: every epoch is
 then cold and no check is made). Everything is built under ``--dir`` (default: a temporary
 folder); what this run built is deleted at the end unless ``--keep``; ``--reuse`` keeps and
@@ -372,17 +378,21 @@ def _pin(_: int) -> None:
     pin_threads()
 
 
-def torch_loader(dataset: Any, workers: int) -> Any:
+def torch_loader(dataset: Any, workers: int, rank: int = 0, world: int = 1) -> Any:
     """What ``make_loader`` sets, for a plain dataset: shuffle, batch 256, persistent workers
-    with pinned threads."""
+    with pinned threads; rank ``rank`` of ``world`` reads its share (``DistributedSampler``)."""
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
 
     generator = torch.Generator()
     generator.manual_seed(0)
-    options = dict(persistent_workers=True, worker_init_fn=_pin) if workers else {}
-    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
-                      collate_fn=as_batch, generator=generator, **options)
+    options: dict[str, Any] = dict(persistent_workers=True, worker_init_fn=_pin) if workers else {}
+    if world > 1:
+        options["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0)
+    else:
+        options.update(shuffle=True, generator=generator)
+    return DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=as_batch,
+                      **options)
 
 
 # --- timing -----------------------------------------------------------------------------------
@@ -407,6 +417,8 @@ def run_epoch(loader: Any, epoch: int, workload: str, max_batches: int | None,
 
     if isinstance(loader, CacheLoader):  # the others reshuffle on each iteration themselves
         loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):  # a DistributedSampler
+        loader.sampler.set_epoch(epoch)
     rows = tokens = total = 0
     start = shown = time.perf_counter()
     first = 0.0
@@ -448,11 +460,68 @@ def shutdown(loader: Any) -> None:
     inner._iterator = None
 
 
-def measure(files: list[Path], open_loader: Callable[[], tuple[Any, Callable[[], None]]],
-            workload: str, workers: int, max_batches: int | None) -> dict[str, Any]:
-    """Drop ``files`` from the page cache, then open the loader and time two epochs."""
+def _rank(rank: int, ranks: int, open_loader: Callable[..., tuple[Any, Callable[[], None]]],
+          workload: str, workers: int, max_batches: int | None, barrier: Any,
+          results: Any) -> None:
+    """One rank of ``measure_ranks`` (a forked process): open its loader, then two epochs, each
+    started with the other ranks; put (rank, [(rows, seconds, sums, first)] per epoch, USS)."""
+    from precache.cli.bench.measure import _smaps_kb
+
+    opened = time.perf_counter()
+    loader, close = open_loader(rank, ranks)
+    epochs = []
+    for epoch in (0, 1):
+        barrier.wait()
+        start = time.perf_counter()
+        _, sums, first = run_epoch(loader, epoch, workload, max_batches,
+                                   opened if epoch == 0 else None)
+        epochs.append((sums[0], time.perf_counter() - start, sums, first))
+    pids = [os.getpid()] + [p.pid for p in getattr(getattr(torch_of(loader), "_iterator", None),
+                                                   "_workers", None) or []]
+    maps = [_smaps_kb(pid) for pid in pids]
+    uss = sum(m.get("Private_Clean", 0) + m.get("Private_Dirty", 0) for m in maps) * 1024
+    results.put((rank, epochs, uss, sum(m.get("Private_Clean", 0) for m in maps) * 1024))
+    shutdown(loader)
+    close()
+
+
+def measure_ranks(files: list[Path], open_loader: Callable[..., tuple[Any, Callable[[], None]]],
+                  workload: str, workers: int, max_batches: int | None,
+                  ranks: int) -> dict[str, Any]:
+    """``measure`` with ``ranks`` processes, each reading its share (see the module docstring):
+    all rows over the slowest rank's seconds, per epoch."""
     from precache.cli.bench.measure import drop_page_cache
 
+    gc.collect()
+    drop_page_cache(files)
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(ranks), context.Queue()
+    processes = [context.Process(target=_rank, args=(r, ranks, open_loader, workload, workers,
+                                                     max_batches, barrier, results))
+                 for r in range(ranks)]
+    for process in processes:
+        process.start()
+    got = [results.get(timeout=3600) for _ in processes]
+    for process in processes:
+        process.join()
+        if process.exitcode:
+            raise RuntimeError(f"a rank exited with {process.exitcode}")
+    rates = [sum(g[1][e][0] for g in got) / max(g[1][e][1] for g in got) for e in (0, 1)]
+    sums = [tuple(map(sum, zip(*(g[1][e][2] for g in got)))) for e in (0, 1)]
+    return {"cold": rates[0], "warm": rates[1], "uss": sum(g[2] for g in got),
+            "uss_files": sum(g[3] for g in got), "sums": sums,
+            "first": max(g[1][0][3] for g in got), "ranks": ranks}
+
+
+def measure(files: list[Path], open_loader: Callable[..., tuple[Any, Callable[[], None]]],
+            workload: str, workers: int, max_batches: int | None,
+            ranks: int = 1) -> dict[str, Any]:
+    """Drop ``files`` from the page cache, then open the loader and time two epochs
+    (``ranks`` > 1: ``measure_ranks``)."""
+    from precache.cli.bench.measure import drop_page_cache
+
+    if ranks > 1:
+        return measure_ranks(files, open_loader, workload, workers, max_batches, ranks)
     gc.collect()  # maps of earlier readers would keep their pages in the page cache
     drop_page_cache(files)
     opened = time.perf_counter()
@@ -588,15 +657,17 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
                       uss_of=uss_base)
         table.append(result)
         say(f"{workload}:   epoch 1 {result['cold']:,.0f}/s, epoch 2 {result['warm']:,.0f}/s"
-            + (f", workers' USS {result['uss'] / 1e6:,.0f} MB" if workers else ""))
+            + (f", USS {result['uss'] / 1e6:,.0f} MB" if workers or ranks > 1 else ""))
 
+    ranks = args.ranks
     for workers in args.workers:
         if "limit" in readers:
-            def open_limit() -> tuple[Any, Callable[[], None]]:
-                return torch_loader(MemmapRows(source, workload), workers), lambda: None
+            def open_limit(rank: int = 0, world: int = 1) -> tuple[Any, Callable[[], None]]:
+                return (torch_loader(MemmapRows(source, workload), workers, rank, world),
+                        lambda: None)
             record("limit", "", workers, lambda: measure(
                 [source / "values.npy", source / "offsets.npy"], open_limit, workload, workers,
-                args.max_batches), info["cache_bytes"])
+                args.max_batches, ranks), info["cache_bytes"])
         for shard_rows, cache in caches.items():
             cache_bytes = info["bytes"][f"precache shard_rows={shard_rows}"]
             for reader in ("precache", "budget"):
@@ -604,18 +675,22 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
                     continue
                 budget = cache_bytes // 20 if reader == "budget" else 1 << 30
 
-                def open_precache(cache: Path = cache, budget: int = budget) -> tuple[Any, Any]:
+                def open_precache(rank: int = 0, world: int = 1, cache: Path = cache,
+                                  budget: int = budget) -> tuple[Any, Any]:
                     from precache.loading import CachedDataset, make_loader
 
                     dataset = CachedDataset(cache, columns=[column], max_decoded_bytes=budget)
-                    return (make_loader(dataset, BATCH, shuffle=True, num_workers=workers),
-                            dataset.close)
+                    return (make_loader(dataset, BATCH, shuffle=True, num_workers=workers,
+                                        rank=rank, world_size=world), dataset.close)
 
                 from precache.cli.bench.measure import shard_paths
 
                 record(reader, shard_rows, workers, lambda: measure(
                     shard_paths(str(cache)), open_precache, workload, workers,
-                    args.max_batches), cache_bytes)
+                    args.max_batches, ranks), cache_bytes)
+        if ranks > 1 and ("litdata" in readers or "hf" in readers):
+            say(f"{workload}: LitData and HF are not run with --ranks")
+            continue
         if "litdata" in readers:
             if litdata_skip is not None:
                 table.append({"workload": workload, "reader": "litdata", "shard_rows": "",
@@ -671,6 +746,8 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
     lines.append("")
     lines.append(f"batch {BATCH}, full shuffle (LitData: its own chunk-wise shuffle), samples/s; "
                  "ratios to the limit with the same workers in this run"
+                 + (f"; {args.ranks} ranks on this node, all ranks' samples/s, USS of the ranks "
+                    "and their workers" if args.ranks > 1 else "")
                  + (f"; epochs cut after {args.max_batches} batches" if args.max_batches else ""))
     header = (f"{'workload':<8} {'reader':<9} {'shards':>6} {'wk':>2} {'epoch 1 cold':>13} "
               f"{'/limit':>6} {'epoch 2 warm':>13} {'/limit':>6} {'workers USS (files)':>26} "
@@ -689,7 +766,8 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
         cold_ratio = f"{r['cold'] / limit['cold']:.2f}" if limit else "-"
         warm_ratio = f"{r['warm'] / limit['warm']:.2f}" if limit else "-"
         uss = (f"{r['uss'] / 1e6:,.0f} MB {r['uss'] / r['uss_of']:4.0%} "
-               f"({r['uss_files'] / r['uss_of']:4.0%})" if r["workers"] else "-")
+               f"({r['uss_files'] / r['uss_of']:4.0%})" if r["workers"] or r.get("ranks")
+               else "-")
         lines.append(lead + f"{r['cold']:>11,.0f}/s {cold_ratio:>6} {r['warm']:>11,.0f}/s "
                      f"{warm_ratio:>6} {uss:>26} {r['first'] * 1e3:>7,.0f}ms "
                      + check(r, limit, rows_of[r["workload"]], bool(args.max_batches)))
@@ -726,6 +804,8 @@ def parse_args() -> argparse.Namespace:
                         type=names(("limit", "precache", "budget", "litdata", "hf")))
     parser.add_argument("--stage1-workers", type=int, default=min(os.cpu_count() or 1, 8),
                         help="stage-1 worker processes (default: the cores)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="processes (ranks) on this node, each reading its share")
     parser.add_argument("--max-batches", type=int, default=None,
                         help="cut each epoch after this many batches (caches past RAM)")
     parser.add_argument("--dir", type=Path, default=None,
