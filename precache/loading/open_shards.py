@@ -82,6 +82,10 @@ class OpenShards:
             if shard in self._readers:
                 self._readers.move_to_end(shard)
 
+    def opened(self, shard: int) -> bool:
+        """Whether shard ``shard`` is open in this process."""
+        return self._pid == os.getpid() and shard in self._readers
+
     def _get(self, shard: int) -> ShardReader:
         reader = self._readers.get(shard)
         if reader is None:

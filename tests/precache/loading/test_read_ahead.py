@@ -137,6 +137,30 @@ def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cac
     dataset.close()
 
 
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
+def test_the_ends_of_the_shards_a_batch_opens_are_asked_for_at_once(cache):
+    shards = [precache.Cache(cache).shard_path(i) for i in range(3)]
+    gc.collect()
+    os.sync()
+    for shard in shards:
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    tail = (64 << 10) // os.sysconf("SC_PAGE_SIZE")  # the footer and the offsets columns
+    assert all(_resident_pages(s) < tail for s in shards)
+    dataset = CachedDataset(cache, columns=["image"])  # (it opens shard 0 to look at it)
+    opened = len(dataset._readers)
+    dataset._advise_tails([1, 2])  # what a batch of a cold cache does before opening them
+    deadline = time.monotonic() + 30
+    while (min(_resident_pages(s) for s in shards[1:]) < tail and time.monotonic() < deadline):
+        time.sleep(0.05)
+    assert all(_resident_pages(s) >= tail for s in shards[1:])
+    assert len(dataset._readers) == opened  # a hint: nothing more was opened
+    dataset.close()
+
+
 def _mapped_kb(paths: set[str]) -> int:
     """Resident kB of this process's mappings of ``paths`` (from /proc/self/smaps)."""
     total, counting = 0, False
