@@ -390,13 +390,16 @@ class CachedDataset:
         if len(shards) < 2 or self._cache.disk_cache is not None or (
                 self._cache.format.name != "parquet"):
             return
-        variable = 1 + sum(spec.kind in VARIABLE_KINDS
-                           for spec in self._cache.manifest.schema.values())
+        # the offsets columns follow every column, in schema order: ask from the first wanted one
+        schema = self._cache.manifest.schema
+        variable = [name for name, spec in schema.items() if spec.kind in VARIABLE_KINDS]
+        wanted = [variable.index(name) for name in self.columns if name in variable]
+        columns = len(variable) - min(wanted) if wanted else 0
         for shard in shards:
             if self._readers.opened(shard):
                 continue
             info = self._cache.manifest.shards[shard]
-            tail = _FOOTER_BYTES + 8 * info.rows * variable  # the offsets columns and footer
+            tail = _FOOTER_BYTES + 8 * info.rows * columns
             try:
                 fd = os.open(self._cache.shard_path(shard), os.O_RDONLY)
             except OSError:
