@@ -115,8 +115,8 @@ def test_read_ahead_covers_variable_length_columns(tmp_path):
     dataset.close()
 
 
-@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
-def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cache):
+def _dropped_shards(cache: Path) -> list[Path]:
+    """The cache's three shard files, dropped from the page cache (written out first)."""
     shards = [precache.Cache(cache).shard_path(i) for i in range(3)]
     gc.collect()
     os.sync()
@@ -126,6 +126,12 @@ def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cac
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return shards
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
+def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cache):
+    shards = _dropped_shards(cache)
     pages = [-(-shard.stat().st_size // os.sysconf("SC_PAGE_SIZE")) for shard in shards]
     assert _resident_pages(shards[2]) < pages[2]
     dataset = CachedDataset(cache, columns=["image"])
@@ -139,15 +145,7 @@ def test_a_cold_cache_that_fits_in_memory_is_read_whole_from_the_first_batch(cac
 
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
 def test_the_ends_of_the_shards_a_batch_opens_are_asked_for_at_once(cache):
-    shards = [precache.Cache(cache).shard_path(i) for i in range(3)]
-    gc.collect()
-    os.sync()
-    for shard in shards:
-        fd = os.open(shard, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    shards = _dropped_shards(cache)
     tail = (64 << 10) // os.sysconf("SC_PAGE_SIZE")  # the footer and the offsets columns
     assert all(_resident_pages(s) < tail for s in shards)
     dataset = CachedDataset(cache, columns=["image"])  # (it opens shard 0 to look at it)
