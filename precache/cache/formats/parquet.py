@@ -25,6 +25,7 @@ uint16 id and with no way to find a row without decoding the page.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -223,6 +224,14 @@ def _ends_checksums(file: pq.ParquetFile) -> dict[str, int]:
         return {}
 
 
+@functools.lru_cache(maxsize=64)
+def _written_schema(raw: bytes) -> dict[str, ColumnSpec]:
+    """The footer's ``SCHEMA_KEY`` entry, parsed once per process for all the shards that share
+    it (every shard of a cache does: opening hundreds of shards parsed it hundreds of times).
+    The specs are frozen; callers must not change the dict."""
+    return schema_from_json(json.loads(raw))
+
+
 def _stored_as(spec: ColumnSpec) -> Callable[[pa.DataType], bool]:
     """Whether an Arrow type in a file's footer is how ``spec`` is stored (older precache
     versions and other writers included: a string may be large, a list plain)."""
@@ -324,7 +333,7 @@ class ParquetShardReader(ShardReader):
             return f"the file holds {file.metadata.num_rows} rows, the manifest says {rows}"
         arrow = file.schema_arrow
         try:
-            written = schema_from_json(json.loads((arrow.metadata or {})[SCHEMA_KEY]))
+            written = _written_schema((arrow.metadata or {})[SCHEMA_KEY])
         except (KeyError, ValueError, TypeError, AttributeError):
             written = {}  # an older precache's shard: the Arrow types still tell a lot
         for name, spec in self.schema.items():
