@@ -217,7 +217,12 @@ class CachedDataset:
             _available_memory() // 2)
         self._warmer: ShardWarmer | None = None
         self._warmer_pid = 0
-        self._warming_all = False  # this process queued every shard to the warmer
+        self._warming_all = 0  # the pid of the process that queued every shard to its warmer
+        # offsets columns at the end of a Parquet shard that a read of these columns needs:
+        # they follow every column, in schema order, so from the first one read (_advise_tails)
+        variable = [name for name, spec in schema.items() if spec.kind in VARIABLE_KINDS]
+        read = [variable.index(name) for name in self.columns if name in variable]
+        self._tail_columns = len(variable) - min(read) if read else 0
         # readers of the requested columns only: a shard opens with fewer page headers to read
         self._readers = OpenShards(functools.partial(self._cache.reader, columns=self.columns),
                                    max_open_shards, max_decoded_bytes)
@@ -292,7 +297,7 @@ class CachedDataset:
         state = dict(self.__dict__)
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
         state["_warmer"] = None  # a thread stays in its process
-        state["_warming_all"] = False
+        state["_warming_all"] = 0
         return state
 
     def _warm_every_shard(self) -> None:
@@ -300,8 +305,8 @@ class CachedDataset:
         process: a cache that fits in memory then arrives in large sequential reads while the
         batches fault in their own rows, instead of a shard at a time as batches touch them
         (with small shards, a cold epoch opens hundreds of files)."""
-        if not self._warming_all:
-            self._warming_all = True
+        if self._warming_all != os.getpid():  # (a forked worker has a warmer of its own)
+            self._warming_all = os.getpid()
             warmer = self._shard_warmer()
             for shard in range(len(self._cache.manifest.shards)):
                 warmer.warm(self._cache.shard_path(shard))
@@ -390,16 +395,11 @@ class CachedDataset:
         if len(shards) < 2 or self._cache.disk_cache is not None or (
                 self._cache.format.name != "parquet"):
             return
-        # the offsets columns follow every column, in schema order: ask from the first wanted one
-        schema = self._cache.manifest.schema
-        variable = [name for name, spec in schema.items() if spec.kind in VARIABLE_KINDS]
-        wanted = [variable.index(name) for name in self.columns if name in variable]
-        columns = len(variable) - min(wanted) if wanted else 0
         for shard in shards:
             if self._readers.opened(shard):
                 continue
             info = self._cache.manifest.shards[shard]
-            tail = _FOOTER_BYTES + 8 * info.rows * columns
+            tail = _FOOTER_BYTES + 8 * info.rows * self._tail_columns
             try:
                 fd = os.open(self._cache.shard_path(shard), os.O_RDONLY)
             except OSError:
@@ -533,9 +533,9 @@ class CachedDataset:
         out.update({name: RaggedRows(values) if schema[name].kind == "ragged" else values
                     for name, values in lists.items()})
         self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
-        if self._faulting and self._warm_whole_shards:  # after the gather: it needs the disk
-            warmer = self._shard_warmer()  # (a remote cache's: only the shards it has fetched)
-            for shard, _, _ in groups or []:
+        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is not None:
+            warmer = self._shard_warmer()  # after the gather: it needs the disk (a remote cache:
+            for shard, _, _ in groups or []:  # the shards it fetched; a local one queued all)
                 warmer.warm(self._reader(shard).path)
         if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
             for reader in self._readers.values():
