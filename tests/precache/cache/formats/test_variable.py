@@ -87,6 +87,31 @@ def test_variable_columns_are_read_in_place_and_other_tools_see_plain_columns(tm
     assert ids_chunk.total_compressed_size < sizes.sum() + 64  # 2 bytes an id, not 4
 
 
+def test_stage_one_bookkeeping_columns_are_compressed_and_still_read(tmp_path):
+    """``source_key`` and ``source_hash`` (stage 1's alone) are zstd without offsets, so a token
+    cache stays near the ids' own size; ``key`` keeps its offsets and is read in place."""
+    n = 500
+    data = {**columns(n, seed=2), "source_key": [f"corpus/part-{i // 50:03d}.jsonl:{i}"
+                                                 for i in range(n)],
+            "source_hash": [f"{i * 2654435761 % 2**64:032x}" for i in range(n)]}
+    schema = {**SCHEMA, "source_key": ColumnSpec("str"), "source_hash": ColumnSpec("str")}
+    ParquetFormat().write(tmp_path / "s.parquet", data, schema)
+    meta = pq.ParquetFile(tmp_path / "s.parquet").metadata.row_group(0)
+    chunks = {meta.column(j).path_in_schema: meta.column(j) for j in range(meta.num_columns)}
+    for name in ("source_key", "source_hash"):
+        assert chunks[name].compression == "ZSTD" and ends_column(name) not in chunks
+        raw = sum(len(v) + 4 for v in data[name])
+        assert chunks[name].total_compressed_size < raw * 0.75, name
+    assert chunks["key"].compression == "UNCOMPRESSED" and ends_column("key") in chunks
+    reader = ParquetFormat().open(tmp_path / "s.parquet", schema)
+    assert "key" in reader.variable() and "source_key" not in reader.variable()
+    rows = [499, 0, 250]
+    got = reader.read(rows, columns=["key", "source_key", "source_hash"])
+    for name in ("key", "source_key", "source_hash"):
+        assert list(got[name]) == [data[name][i] for i in rows]
+    reader.close()
+
+
 def test_older_and_paged_shards_are_decoded_and_read_the_same(tmp_path):
     data = columns(120, seed=1)
     write_older(tmp_path / "older.parquet", data, SCHEMA)
