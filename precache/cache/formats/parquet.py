@@ -19,7 +19,8 @@ uncompressed PLAIN page), each with an int64 column of where its rows end
 see ordinary columns: ``str`` as strings, ``bytes`` as binary, ``ragged`` as binary holding the
 raw little-endian values at their own width (the footer's ``precache.schema`` entry and the
 manifest give the dtype; ``np.frombuffer(value, "<u2")`` reads a row), and the ``<name>__ends``
-columns beside them. A list of integers would have shown other tools numbers, at 4 bytes per
+columns beside them (``source_key`` and ``source_hash``, read by stage 1 alone, are
+zstd-compressed instead: ``BOOKKEEPING``). A list of integers would have shown other tools numbers, at 4 bytes per
 uint16 id and with no way to find a row without decoding the page.
 """
 
