@@ -11,11 +11,14 @@ from precache.processing.ops.labels import Labels
 from precache.processing.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
 from precache.processing.ops.video_decode import VIDEO_EXTENSIONS
 from precache.processing.ops.video_faces import VideoFaces
+from precache.processing.ops.volume import (VOLUME_EXTENSIONS, CropForeground, DecodeVolume,
+                                            FitShape, NormaliseIntensity, Resample, VolumeLabels)
 
 __all__ = ["OPS", "get_op", "Op", "Skip", "FunctionOp", "OpResult", "Sample",
            "DecodeImage", "ResizeCenterCrop", "IMAGE_EXTENSIONS", "DetectFaces", "CropFace",
            "FaceMesh", "FaceRegions", "DecodeText", "Tokenize", "TEXT_EXTENSIONS", "EncodeImage",
-           "Labels", "VideoFaces", "VIDEO_EXTENSIONS"]
+           "Labels", "VideoFaces", "VIDEO_EXTENSIONS", "VOLUME_EXTENSIONS", "DecodeVolume",
+           "Resample", "NormaliseIntensity", "CropForeground", "FitShape", "VolumeLabels"]
 
 OPS: dict[str, type[Op]] = {
     DecodeImage.name: DecodeImage,
@@ -29,6 +32,11 @@ OPS: dict[str, type[Op]] = {
     EncodeImage.name: EncodeImage,
     Labels.name: Labels,
     VideoFaces.name: VideoFaces,
+    DecodeVolume.name: DecodeVolume,
+    Resample.name: Resample,
+    NormaliseIntensity.name: NormaliseIntensity,
+    CropForeground.name: CropForeground,
+    FitShape.name: FitShape,
 }
 
 

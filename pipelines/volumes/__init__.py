@@ -1,0 +1,1 @@
+"""The ``volumes`` pipeline: 3D medical images reoriented, resampled, normalised and cropped once."""

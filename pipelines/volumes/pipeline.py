@@ -1,0 +1,46 @@
+"""``volumes``: read 3D images once: reorient to RAS, resample, clip and scale intensities, crop.
+
+    precache run volumes --input scans/ --output cache/ --set spacing=2 --set shape=64
+    precache run volumes -i organmnist3d.npz -o cache/ --set shape=28
+    precache run volumes -i ct/ -o cache/ --set window=-1000,400 --set spacing=1.5,1.5,3 \
+        --set shape=128,128,96 --set foreground=0.05 --set labels=meta.csv
+
+Inputs: NIfTI (``.nii``, ``.nii.gz``; a 4D file gives one row per volume), ``.npy`` (one volume,
+or a stack N x D x H x W) and MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
+``val_`` / ``test_``: one row per volume, with its label and ``split``).
+
+Columns: ``volume`` (``shape``, ``dtype``: uint8 = round(255 x the 0..1 intensity) by default),
+``affine`` (4 x 4 float64: stored voxel index -> world mm, after resampling and cropping),
+``spacing`` (mm, stored), ``original_shape``, ``original_spacing``, ``split`` (``""`` unless an
+``.npz`` split), ``label`` (the first folder, a .csv/.json file, or the ``.npz``; none with
+``labels=none``), plus ``key``, ``source_key`` and ``source_hash``. See docs/volumes.md.
+"""
+
+from __future__ import annotations
+
+from precache.processing.ops import Op
+from precache.processing.ops.volume import (VOLUME_EXTENSIONS, CropForeground, DecodeVolume,
+                                            FitShape, NormaliseIntensity, Resample, VolumeLabels)
+from precache.processing.pipeline import Pipeline
+
+
+def make_ops(spacing: tuple = (0.0,), shape: tuple = (64,), percentiles: tuple = (0.5, 99.5),
+             window: tuple = (0.0, 0.0), dtype: str = "uint8", foreground: float = 0.0,
+             margin: int = 2, labels: str = "folder") -> list[Op]:
+    """Decode and reorient; resample to ``spacing`` mm (0: keep); clip to ``window`` (or the
+    ``percentiles``) and scale to ``dtype``; crop to voxels over ``foreground`` (0: off) with
+    ``margin``; centre pad / crop to ``shape``; label (``labels``: folder, none, or a file)."""
+    return [DecodeVolume(), Resample(spacing=spacing),
+            NormaliseIntensity(percentiles=percentiles, window=window, dtype=dtype),
+            CropForeground(threshold=foreground, margin=margin), FitShape(shape=shape),
+            VolumeLabels(labels=labels)]
+
+
+pipeline = Pipeline(
+    name="volumes",
+    make_ops=make_ops,
+    extensions=VOLUME_EXTENSIONS,
+    description="3D volumes (NIfTI, .npy, MedMNIST .npz) reoriented, resampled, normalised, "
+                "cropped to a fixed shape",
+    shard_rows=32,  # inputs a shard: 32 volumes of 256^3 uint8 are 512 MB
+)
