@@ -1,5 +1,6 @@
-"""Stage-2 augmentations that use cached columns (run in DataLoader workers, after decoding)."""
+"""Stage-2 augmentations that use cached columns: on one sample in DataLoader workers, or on a
+whole batch (CPU or GPU tensors) after the loader."""
 
-from precache.augment.face import FaceAugment
+from precache.augment.face import FORMS, FaceAugment, FaceDraws
 
-__all__ = ["FaceAugment"]
+__all__ = ["FaceAugment", "FaceDraws", "FORMS"]
