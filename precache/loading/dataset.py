@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import os
 import resource
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -226,6 +227,9 @@ class CachedDataset:
         # readers of the requested columns only: a shard opens with fewer page headers to read
         self._readers = OpenShards(functools.partial(self._cache.reader, columns=self.columns),
                                    max_open_shards, max_decoded_bytes)
+        # read_batch may run in several threads (make_loader's thread workers): what it opens
+        # and the tables it fills are guarded; decoding images runs outside the lock
+        self._lock, self._lock_pid = threading.RLock(), os.getpid()
         self._resident: dict[str, np.ndarray] | None = None
         self.resident = self._fits_in_memory() if resident is None else bool(resident)
         if self.resident and any(schema[c].kind in ("bytes", "ragged") for c in self.columns):
@@ -298,7 +302,15 @@ class CachedDataset:
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
         state["_warmer"] = None  # a thread stays in its process
         state["_warming_all"] = 0
+        state["_lock"], state["_lock_pid"] = None, 0  # a lock does not travel; made on use
         return state
+
+    def _guard(self) -> threading.RLock:
+        """This process's lock over the readers and row tables (a forked or unpickled copy
+        makes its own: a lock copied while another thread held it would never open)."""
+        if self._lock_pid != os.getpid():
+            self._lock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._lock
 
     def _warm_every_shard(self) -> None:
         """Queue every shard of this local cache to be read whole (``ShardWarmer``), once per
@@ -352,7 +364,8 @@ class CachedDataset:
         if not self._faulting:
             return
         indices = np.asarray(indices, dtype=np.int64)
-        self._will_need(self._groups(indices[(indices >= 0) & (indices < len(self))]))
+        with self._guard():
+            self._will_need(self._groups(indices[(indices >= 0) & (indices < len(self))]))
 
     def _will_need(self, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
         """Hint the mapped columns of these ``_groups`` (one call per shard)."""
@@ -450,7 +463,21 @@ class CachedDataset:
                 row) instead: each mapped column is then copied once, straight into the batch,
                 not gathered and then put in order (a shuffled batch is as random either way).
                 ``make_loader``'s batches ask for it.
+
+        Safe to call from several threads at once: the shards and tables are read under this
+        dataset's lock, and encoded images are decoded outside it (in parallel).
         """
+        with self._guard():
+            out, order = self._gather(indices, ahead, storage_order)
+        for name in self._encoded:
+            if name in out and order is not None:
+                out[name] = self._decode(name, out[name], order)
+        return out
+
+    def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None,
+                storage_order: bool) -> tuple[dict[str, Any], np.ndarray | None]:
+        """``read_batch`` but for decoding: the columns (encoded ones as the file's bytes) and
+        the rows in the order they come back (``None`` where nothing is left to decode)."""
         given = getattr(indices, "array", None)  # make_loader's IndexBatch carries its array
         indices = np.asarray(indices if given is None or len(given) != len(indices) else given,
                              dtype=np.int64)
@@ -459,7 +486,7 @@ class CachedDataset:
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
         if self.resident:
             return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
-                    for name, values in self._resident_columns().items()}
+                    for name, values in self._resident_columns().items()}, None
         if low < 0:
             indices = np.where(indices < 0, indices + len(self), indices)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -542,9 +569,7 @@ class CachedDataset:
                 reader.release_pages()
             self._mapped_read = 0
         order = indices[stored] if storage_order and stored is not None and not in_order else indices
-        for name in self._encoded:
-            out[name] = self._decode(name, out[name], order)
-        return out
+        return out, order
 
     def _decode(self, name: str, values: list[Any], indices: np.ndarray) -> np.ndarray:
         """The decoded images of an encoded column, each decoded straight into its slot of one

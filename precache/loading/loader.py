@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-from precache.loading.dataset import collate_samples
+from precache.loading.dataset import CachedDataset, collate_samples
 from precache.loading.sampler import DistributedShardSampler
+from precache.loading.threaded import ThreadedBatches
 from precache.threads import pin_threads
 
 __all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches"]
@@ -101,11 +102,13 @@ class CacheLoader:
     the same epoch) yields only the samples not yet seen, split among the ranks it runs on.
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedShardSampler,
-                 batch_size: int | None = None) -> None:
+    def __init__(self, loader: DataLoader | ThreadedBatches, sampler: DistributedShardSampler,
+                 batch_size: int | None = None,
+                 worker_kind: tuple[str, int, str] = ("processes", 0, "")) -> None:
         self.loader = loader
         self.sampler = sampler
         self.batch_size = batch_size or loader.batch_size or 1
+        self.worker_kind, self.num_workers, self._why = worker_kind
         self._consumed = 0
         self._started: tuple[int, Iterator[Any]] | None = None  # (epoch, its running iterator)
 
@@ -126,6 +129,17 @@ class CacheLoader:
         self._started = None
         self.sampler.set_epoch(epoch)
         self._consumed = 0
+
+    def describe(self) -> str:
+        """Who reads the batches, and why (``make_loader``'s choice), e.g. for a training log."""
+        if self.worker_kind == "none":
+            return f"batches read in the training loop ({self._why})"
+        return f"{self.num_workers} worker {self.worker_kind} ({self._why})"
+
+    def close(self) -> None:
+        """Stop the loader's worker threads (worker processes stop with the DataLoader)."""
+        if isinstance(self.loader, ThreadedBatches):
+            self.loader.close()
 
     def start_epoch(self, epoch: int) -> None:
         """Set ``epoch`` and have the workers start on its first batches now, e.g. before
@@ -206,6 +220,8 @@ def make_loader(
     multiprocessing_context: Any = None,
     rank: int | None = None,
     world_size: int | None = None,
+    worker_kind: str = "auto",
+    batch_transform: Callable[[Any], Any] | None = None,
 ) -> CacheLoader:
     """A ``CacheLoader`` over ``dataset`` (usually a ``CachedDataset``).
 
@@ -227,14 +243,39 @@ def make_loader(
             the dataset can start reading them (``CachedDataset`` does, for mapped columns).
         multiprocessing_context: worker start method (default torch's: fork on Linux).
         rank, world_size: default from ``torch.distributed`` when initialised, else 0 and 1.
+        worker_kind: what the ``num_workers`` workers are: ``"threads"`` of this process
+            (``ThreadedBatches``: no copy through shared memory, the batch is handed over as
+            is), ``"processes"`` (DataLoader worker processes), or ``"auto"``: threads when
+            the dataset is a ``CachedDataset`` (or a ``Subset`` of one) without a per-sample
+            ``transform`` and no ``collate_fn`` is given (the cache's gather, image decoding
+            and batched augmentation release the GIL), else processes (per-sample Python
+            work holds the GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
+        batch_transform: applied to each collated batch by the worker that read it (a thread
+            or a process), e.g. a batched ``FaceAugment``; with threads it is called from
+            several threads at once.
+
+    Raises:
+        ValueError: a bad ``batch_size``, ``num_workers`` or ``worker_kind``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     workers = loader_workers() if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
+    if worker_kind not in ("auto", "threads", "processes"):
+        raise ValueError(f"worker_kind must be 'auto', 'threads' or 'processes', not "
+                         f"{worker_kind!r}")
     sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                       shard_window=shard_window, rank=rank, world_size=world_size)
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
+    batches: Any = ReadAheadBatches(sampler, batch_size, workers if read_ahead else 0)
+    if not read_ahead:
+        batches = BatchSampler(sampler, batch_size, drop_last=False)
+    if kind == "threads":
+        threaded = ThreadedBatches(dataset, batches, collate_fn or collate_samples, workers,
+                                   prefetch_factor or 2, pin, batch_transform)
+        return CacheLoader(threaded, sampler, batch_size, worker_kind=(kind, workers, reason))
     generator = torch.Generator()
     generator.manual_seed(seed * 1_000_003 + sampler.rank)
     options: dict[str, Any] = {}
@@ -245,16 +286,50 @@ def make_loader(
             worker_init_fn=_pin_worker_threads,
             multiprocessing_context=multiprocessing_context,
         )
-    batches: Any = ReadAheadBatches(sampler, batch_size, workers if read_ahead else 0)
-    if not read_ahead:
-        batches = BatchSampler(sampler, batch_size, drop_last=False)
     loader = DataLoader(
         dataset,
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=collate_fn or collate_samples,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        collate_fn=_then(collate_fn or collate_samples, batch_transform),
+        pin_memory=pin,
         generator=generator,
         **options,
     )  # no drop_last: the sampler already gives every rank the same count
-    return CacheLoader(loader, sampler, batch_size)
+    return CacheLoader(loader, sampler, batch_size, worker_kind=(kind, workers, reason))
+
+
+def _then(collate: Callable[[Any], Any],
+          transform: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """``collate``, then ``transform`` on the batch (run by the worker process)."""
+    return collate if transform is None else _CollateThen(collate, transform)
+
+
+class _CollateThen:
+    """A picklable ``transform(collate(samples))`` (spawned workers receive it pickled)."""
+
+    def __init__(self, collate: Callable[[Any], Any], transform: Callable[[Any], Any]) -> None:
+        self.collate, self.transform = collate, transform
+
+    def __call__(self, samples: Any) -> Any:
+        return self.transform(self.collate(samples))
+
+
+def _worker_kind(dataset: Any, workers: int, asked: str,
+                 collate_fn: Callable[[list[Any]], Any] | None) -> tuple[str, str]:
+    """(``"threads"``, ``"processes"`` or ``"none"``, why) for ``make_loader``."""
+    if workers == 0:
+        return "none", "num_workers=0: batches are read by the training loop itself"
+    if asked != "auto":
+        return asked, f"worker_kind={asked!r}"
+    base = dataset
+    while not isinstance(base, CachedDataset) and hasattr(base, "dataset"):
+        base = base.dataset  # through Subsets
+    if not isinstance(base, CachedDataset):
+        return "processes", (f"{type(dataset).__name__} is not a CachedDataset: its Python "
+                             "work per sample could hold the GIL")
+    if base.transform is not None:
+        return "processes", "the dataset has a per-sample transform, which holds the GIL"
+    if collate_fn is not None:
+        return "processes", "a collate_fn was given, which may do Python work per sample"
+    return "threads", ("the cache's own columns: gather, decode and batched augmentation "
+                       "release the GIL")

@@ -1,0 +1,148 @@
+"""Batches read by threads of the training process: no process hop per batch.
+
+A DataLoader worker process gathers a batch, copies it into shared memory, hands it over by
+file descriptor, and the training process copies it again to pin it. For a cache's own columns
+that hand-over, not the read, sets the ceiling: 128 px crops, batch 256, 2 workers delivered
+0.13-0.26 of a NumPy memmap gather in the training process (issue 25). The work a cached batch
+needs releases the GIL (NumPy's gather into the batch, libjpeg-turbo's decode, OpenCV and torch
+ops), so threads of the training process do it in parallel with the step, and the batch is
+handed over as a reference.
+
+``ThreadedBatches`` runs ``dataset.__getitems__`` + ``collate_fn`` (+ an optional
+``batch_transform``, e.g. a batched ``FaceAugment``) for the batches of a batch sampler on a
+small pool of threads, keeps up to ``threads x prefetch`` batches in flight, and yields them in
+the sampler's order, so ``CacheLoader`` counts and resumes exactly as with worker processes.
+Worker processes stay the choice for per-sample Python transforms, which hold the GIL
+(``make_loader(worker_kind="auto")`` decides).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["ThreadedBatches"]
+
+
+def _pin(batch: Any) -> Any:
+    """The batch with its tensors in page-locked memory (a thread may pin: the copy to the GPU
+    is then asynchronous), leaving other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {name: _pin(value) for name, value in batch.items()}
+    if isinstance(batch, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in batch):
+        return type(batch)(_pin(value) for value in batch)
+    return batch
+
+
+class ThreadedBatches:
+    """The batches of ``batch_sampler`` read by ``threads`` threads of this process, in order.
+
+    Args:
+        dataset: a map-style dataset whose ``__getitems__`` may run in several threads at once
+            (``CachedDataset`` guards its own state and decodes outside its lock).
+        batch_sampler: yields each batch's indices (``ReadAheadBatches``).
+        collate_fn: turns what ``__getitems__`` returns into the batch.
+        threads: threads reading batches (at least 1).
+        prefetch: batches in flight per thread (at least 1).
+        pin_memory: pin every tensor of each batch (CUDA only: pinning fails without it).
+        batch_transform: applied to each collated batch in the reading thread (a batched
+            augmentation); it must be safe to call from several threads at once.
+    """
+
+    def __init__(self, dataset: Any, batch_sampler: Iterable[Any],
+                 collate_fn: Callable[[Any], Any], threads: int, prefetch: int = 2,
+                 pin_memory: bool = False,
+                 batch_transform: Callable[[Any], Any] | None = None) -> None:
+        if threads < 1 or prefetch < 1:
+            raise ValueError(f"threads and prefetch must be at least 1, not {threads} and "
+                             f"{prefetch}")
+        self.dataset, self.batch_sampler, self.collate_fn = dataset, batch_sampler, collate_fn
+        self.threads, self.prefetch, self.pin_memory = threads, prefetch, pin_memory
+        self.batch_transform = batch_transform
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.batch_sampler, "batch_size", None)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def _load(self, indices: Any) -> Any:
+        batch = self.collate_fn(self.dataset.__getitems__(indices))
+        if self.batch_transform is not None:
+            batch = self.batch_transform(batch)
+        return _pin(batch) if self.pin_memory else batch
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:  # one pool for every epoch (threads started once, as persistent workers)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="precache-loader")
+            return self._pool
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Epoch(self, self._executor())
+
+    def close(self) -> None:
+        """Stop the threads (after the batches they are reading). Iterating again restarts them."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Epoch:
+    """One pass over the batch sampler: its first batches are submitted when it is created (so
+    ``CacheLoader.start_epoch`` starts reading before the loop asks), the rest as earlier ones
+    are taken."""
+
+    def __init__(self, owner: ThreadedBatches, pool: ThreadPoolExecutor) -> None:
+        self._owner, self._pool = owner, pool
+        self._indices = iter(owner.batch_sampler)
+        self._pending: deque[Future[Any]] = deque()
+        for _ in range(owner.threads * owner.prefetch):
+            if not self._submit():
+                break
+
+    def _submit(self) -> bool:
+        indices = next(self._indices, None)
+        if indices is None:
+            return False
+        self._pending.append(self._pool.submit(self._owner._load, indices))
+        return True
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._pending:
+            raise StopIteration
+        future = self._pending.popleft()
+        self._submit()
+        try:
+            return future.result()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Drop the batches not yet taken (those being read finish and are discarded)."""
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""make_loader's thread workers (``ThreadedBatches``): the same batches as the training loop
+reading them itself, a resumable position, CachedDataset safe under concurrent reads, and the
+choice between threads and processes."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import precache
+from precache.loading import CachedDataset, make_loader
+from tests.helpers import build_cache, write_photos
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """JPEG crops (decoded by the dataset), keys (str) and sizes (scalars), 4 rows a shard."""
+    root = tmp_path_factory.mktemp("threaded")
+    write_photos(root / "photos", 40)
+    build_cache(root / "photos", root / "cache", pipeline="images",
+                params={"size": 16, "image_codec": "jpeg"}, workers=1, shard_rows=4)
+    return root / "cache"
+
+
+COLUMNS = ["key", "image", "orig_width"]
+
+
+def epoch(loader, number: int) -> list[dict]:
+    loader.set_epoch(number)
+    return [{"key": list(b["key"]), "image": b["image"].clone(), "orig_width": b["orig_width"]}
+            for b in loader]
+
+
+def test_threads_hand_out_the_batches_the_loop_would_read_itself_and_resume_exactly(cache):
+    dataset = CachedDataset(cache, columns=COLUMNS)
+    itself = epoch(make_loader(dataset, 4, num_workers=0, seed=2), 1)
+    threaded = make_loader(dataset, 4, num_workers=3, seed=2)
+    assert threaded.worker_kind == "threads" and "3 worker threads" in threaded.describe()
+    got = epoch(threaded, 1)
+    assert [b["key"] for b in got] == [b["key"] for b in itself]
+    for a, b in zip(got, itself):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["orig_width"],
+                                                                   b["orig_width"])
+    assert a["image"].shape[1:] == (16, 16, 3) and a["image"].dtype == torch.uint8
+
+    threaded.set_epoch(2)
+    batches = iter(threaded)  # threads read ahead of what the loop has taken
+    taken = [list(next(batches)["key"]) for _ in range(3)]
+    state = threaded.state_dict()
+    assert state["offset"] == 12
+    resumed = make_loader(dataset, 4, num_workers=2, seed=2)
+    resumed.load_state_dict(state)
+    rest = epoch(resumed, 2)
+    seen = [k for keys in taken for k in keys] + [k for b in rest for k in b["key"]]
+    assert sorted(seen) == sorted(precache.Cache(cache).read_all(["key"])["key"])
+    threaded.close()
+    resumed.close()
+
+
+def test_concurrent_batches_get_their_own_rows_while_shards_are_closed_and_reopened(cache):
+    everything = precache.Cache(cache).read_all(COLUMNS)
+    reference = CachedDataset(cache, columns=COLUMNS)
+    images = reference.read_batch(list(range(len(reference))))["image"]  # decoded once
+    dataset = CachedDataset(cache, columns=COLUMNS, max_open_shards=2)  # 10 shards: churn
+    failures: list[BaseException] = []
+
+    def read(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                rows = rng.choice(len(dataset), size=int(rng.integers(1, 12)), replace=False)
+                batch = dataset.read_batch(rows.tolist())
+                assert list(batch["key"]) == [everything["key"][i] for i in rows]
+                np.testing.assert_array_equal(batch["orig_width"], everything["orig_width"][rows])
+                np.testing.assert_array_equal(batch["image"], images[rows])
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=read, args=(seed,)) for seed in range(6)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often, as when the GIL is let go in C
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[0]
+
+
+class Tagged:
+    """A batch transform: adds the batch's sum of widths (checks it ran, once per batch)."""
+
+    def __call__(self, batch: dict) -> dict:
+        if batch["key"][0] == self.fail_on:
+            raise RuntimeError(f"augmentation failed on the batch of {self.fail_on}")
+        return {**batch, "tag": batch["orig_width"].sum()}
+
+    fail_on = None
+
+
+@pytest.mark.parametrize("kind", ["threads", "processes"])
+def test_a_batch_transform_runs_on_every_batch_and_its_error_reaches_the_loop(cache, kind):
+    dataset = CachedDataset(cache, columns=COLUMNS)
+    transform = Tagged()
+    loader = make_loader(dataset, 8, num_workers=2, seed=4, worker_kind=kind,
+                         batch_transform=transform)
+    assert loader.worker_kind == kind
+    for batch in epoch_with_tags(loader, 0):
+        assert int(batch["tag"]) == int(batch["orig_width"].sum())
+    loader.close()
+    if kind == "processes":  # torch's own hand-over of a worker's error (its shutdown then
+        return               # waits 5 s a worker): not this module's to test
+    order = epoch_with_tags(loader, 1)
+    transform.fail_on = order[2]["key"][0]
+    failing = make_loader(dataset, 8, num_workers=2, seed=4, worker_kind=kind,
+                          batch_transform=transform)
+    with pytest.raises(RuntimeError, match="augmentation failed"):
+        epoch_with_tags(failing, 1)
+    failing.close()
+    transform.fail_on = None
+    assert len(epoch_with_tags(failing, 2)) == 5  # the next epoch starts threads again
+
+
+def epoch_with_tags(loader, number: int) -> list[dict]:
+    loader.set_epoch(number)
+    return [dict(batch) for batch in loader]
+
+
+def test_auto_uses_processes_where_python_runs_per_sample(cache):
+    plain = CachedDataset(cache, columns=COLUMNS)
+    transformed = CachedDataset(cache, columns=COLUMNS, transform=lambda sample: sample)
+    subset = torch.utils.data.Subset(plain, range(0, 40, 2))
+    assert make_loader(subset, 4, num_workers=2).worker_kind == "threads"
+    per_sample = make_loader(transformed, 4, num_workers=2)
+    assert per_sample.worker_kind == "processes" and "transform" in per_sample.describe()
+    collated = make_loader(plain, 4, num_workers=2, collate_fn=lambda samples: samples)
+    assert collated.worker_kind == "processes" and "collate_fn" in collated.describe()
+    assert make_loader(plain, 4, num_workers=2, worker_kind="processes").worker_kind == "processes"
+    assert make_loader(plain, 4, num_workers=0).worker_kind == "none"
+    forced = make_loader(transformed, 4, num_workers=2, worker_kind="threads")
+    assert forced.worker_kind == "threads"
+    assert len([k for b in epoch(forced, 0) for k in b["key"]]) == 40
+    forced.close()
+    with pytest.raises(ValueError, match="worker_kind"):
+        make_loader(plain, 4, num_workers=2, worker_kind="fibres")
