@@ -13,7 +13,9 @@ FSDP2 through ``ModelParallelStrategy`` (Lightning's ``FSDPStrategy`` refuses th
 shards contiguous weights only, so the weights stay NCHW there. ``fp16`` and
 ``deepspeed_stage_2`` need CUDA: on CPU the script says so in one line. Each epoch appends the
 record of every precache trainer (``precache.training.records``) to ``<out>/metrics.jsonl``;
-``--resume`` continues from a Lightning checkpoint, mid-epoch included.
+``--resume`` continues from a Lightning checkpoint, mid-epoch included. ``FaceAugment`` augments
+each training batch after it reaches its device (``on_after_batch_transfer``): per uint8 crop
+with OpenCV on a CPU, over the whole batch on a GPU.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import lightning as L
 import torch
 from torch import nn
 
+from precache.augment import FaceAugment
 from precache.loading.lightning import CacheDataModule
-from precache.training.landmarks import (AUGMENT_COLUMNS, AugmentForTraining, LandmarkNet,
-                                         batch_to_inputs)
+from precache.training.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
 from precache.training.records import MetricLog
 from precache.training.settings import training_parser
 from precache.training.step import auto_precision, open_keys_log
@@ -50,11 +52,21 @@ def check_hardware(strategy: str, precision: str) -> None:
 class LandmarkModule(L.LightningModule):
     """LandmarkNet, smooth-L1 on the augmented crops' landmarks, AdamW."""
 
-    def __init__(self, lr: float, keys_dir: str | None = None) -> None:
+    def __init__(self, lr: float, keys_dir: str | None = None, seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = LandmarkNet()
         self._keys: Any = None
+        self.augment: FaceAugment | None = None
+
+    def setup(self, stage: str) -> None:
+        self.augment = FaceAugment(seed=self.hparams.seed * 100_003 + self.global_rank)
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """Training batches are augmented whole, on the device they were moved to."""
+        if self.trainer.training and self.augment is not None:
+            return self.augment(batch)
+        return batch
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # set by ModelParallelStrategy (--strategy fsdp) only
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(args.seed, workers=True)
     data = CacheDataModule(args.cache, args.batch_size,
                            columns=AUGMENT_COLUMNS + (["key"] if args.log_keys else []),
-                           train_transform=AugmentForTraining(), val_every=10,
+                           val_every=10,
                            num_workers=args.workers, seed=args.seed)
     strategy: Any = args.strategy
     if args.strategy == "fsdp":  # FSDP2 (configure_model shards); FSDPStrategy refuses the CPU
@@ -152,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_val=args.clip or None, default_root_dir=args.out,
         callbacks=[EpochRecords(args.out, args.strategy, precision, args.epochs)],
         enable_progress_bar=False, logger=False, use_distributed_sampler=False)
-    trainer.fit(LandmarkModule(args.lr, args.log_keys), datamodule=data, ckpt_path=args.resume)
+    trainer.fit(LandmarkModule(args.lr, args.log_keys, args.seed), datamodule=data,
+                ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from precache.augment.face_draws import FaceDraws, draw_face
+from precache.augment.face_draws import FaceDraws, draw_face, draw_layout
 from precache.augment.face_opencv import POINT_KEYS, apply_opencv
 from precache.augment.face_torch import apply_torch
 from precache.faces import topology
@@ -119,6 +119,7 @@ class FaceAugment:
         if not 0 <= cutout_holes[0] <= cutout_holes[1]:
             raise ValueError(f"cutout_holes must be (low, high) with 0 <= low <= high, got {cutout_holes}")
         self._region_rows = [topology.REGIONS.index(name) for name in regions]
+        self._layout = draw_layout(self.params)
         self._owner_pid = os.getpid()
         self._seeded_pid: int | None = None
         self._rng = np.random.default_rng(seed)
@@ -165,14 +166,14 @@ class FaceAugment:
         """
         self._reseed_if_new_process()
         if groups is None:
-            return draw_face(self._rng, n, self.params)
+            return draw_face(self._rng, n, self.params, self._layout)
         labels = np.asarray(groups.cpu() if isinstance(groups, torch.Tensor) else groups)
         if labels.shape != (n,):
             raise ValueError(f"groups must have shape ({n},), got {labels.shape}")
         _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
         rank = np.empty(len(first), np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-        return draw_face(self._rng, len(first), self.params).take(rank[inverse.reshape(-1)])
+        return draw_face(self._rng, len(first), self.params, self._layout).take(rank[inverse.reshape(-1)])
 
     def apply(self, batch: dict[str, Any], draws: FaceDraws, *, form: str | None = None,
               ) -> dict[str, Any]:
@@ -248,9 +249,13 @@ class FaceAugment:
         return [self._one(sample, draws) for sample in samples]
 
     def _one(self, sample: dict[str, Any], draws: FaceDraws) -> dict[str, Any]:
-        """One sample as a batch of one, through ``apply``."""
+        """One sample as a batch of one (NumPy samples straight to the OpenCV form: a worker
+        calls this per sample, where a few microseconds of checks add up)."""
         batch = {k: _one_row(sample[k]) for k in _FACE_KEYS if sample.get(k) is not None}
-        done = self.apply(batch, draws)
+        if isinstance(sample["image"], np.ndarray):
+            done = apply_opencv(batch, draws, self._region_rows)
+        else:
+            done = self.apply(batch, draws)
         out = dict(sample)
         out.update({k: done[k][0] for k in _CHANGED if k in batch})
         return out
