@@ -464,20 +464,49 @@ class CachedDataset:
                 not gathered and then put in order (a shuffled batch is as random either way).
                 ``make_loader``'s batches ask for it.
 
-        Safe to call from several threads at once: the shards and tables are read under this
-        dataset's lock, and encoded images are decoded outside it (in parallel).
+        Safe to call from several threads at once: which shards to open, and the row tables,
+        are handled under this dataset's lock; the copies of mapped rows into the batch and the
+        decoding of encoded images run outside it, in parallel (the views keep their files
+        mapped even if another thread closes a reader meanwhile).
         """
+        copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]] = []
         with self._guard():
-            out, order = self._gather(indices, ahead, storage_order)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            out, order, groups = self._gather(indices, ahead, storage_order, copies)
+        for view, rows, batch, positions, take in copies:  # without the GIL: in parallel
+            if take:  # rows are in range (checked): "clip" only spares take a copy
+                np.take(view, rows, axis=0, out=batch[positions], mode="clip")
+            else:  # (take is slow on unaligned data; a slice takes a plain copy)
+                batch[positions] = view[rows]
+        if not self.resident:
+            with self._guard():
+                self._after_gather(faults, groups)
         for name in self._encoded:
             if name in out and order is not None:
                 out[name] = self._decode(name, out[name], order)
         return out
 
-    def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None,
-                storage_order: bool) -> tuple[dict[str, Any], np.ndarray | None]:
-        """``read_batch`` but for decoding: the columns (encoded ones as the file's bytes) and
-        the rows in the order they come back (``None`` where nothing is left to decode)."""
+    def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Whether the batch read pages from disk (then read ahead and warm shards), and the
+        release of mapped pages (``release_mapped_bytes``)."""
+        self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
+        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is not None:
+            warmer = self._shard_warmer()  # after the gather: it needs the disk (a remote cache:
+            for shard, _, _ in groups:  # the shards it fetched; a local one queued all)
+                warmer.warm(self._reader(shard).path)
+        if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
+            for reader in self._readers.values():
+                reader.release_pages()
+            self._mapped_read = 0
+
+    def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None, storage_order: bool,
+                copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]],
+                ) -> tuple[dict[str, Any], np.ndarray | None,
+                           list[tuple[int, np.ndarray, np.ndarray]]]:
+        """``read_batch`` but for the copies of mapped rows, which it appends to ``copies`` as
+        ``(view, rows, batch array, positions, take)``, and decoding: the columns (encoded ones as the file's
+        bytes), the rows in the order they come back (``None`` where nothing is left to
+        decode), and the shards read (``_groups``)."""
         given = getattr(indices, "array", None)  # make_loader's IndexBatch carries its array
         indices = np.asarray(indices if given is None or len(given) != len(indices) else given,
                              dtype=np.int64)
@@ -486,10 +515,9 @@ class CachedDataset:
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
         if self.resident:
             return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
-                    for name, values in self._resident_columns().items()}, None
+                    for name, values in self._resident_columns().items()}, None, []
         if low < 0:
             indices = np.where(indices < 0, indices + len(self), indices)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         schema = self._cache.manifest.schema
         out: dict[str, Any] = {}
         for name in self.columns:  # fixed-shape columns: filled in place
@@ -533,12 +561,9 @@ class CachedDataset:
                               else column.rows(rows))
                 self._mapped_read += int(column.row_bytes * len(rows))  # about
             for name, view in views.items():
-                if name in out:
-                    if storage_order and view.flags.aligned:  # one copy, into the batch
-                        # rows are in range (checked above): "clip" only spares take a copy
-                        np.take(view, rows, axis=0, out=out[name][positions], mode="clip")
-                    else:  # (take is slow on unaligned data; a slice takes a plain copy)
-                        out[name][positions] = view[rows]
+                if name in out:  # copied into the batch by read_batch, outside the lock
+                    copies.append((view, rows, out[name], positions,
+                                   bool(storage_order and view.flags.aligned)))
                     self._mapped_read += view.itemsize * view[0].size * len(rows)
             rest += [name for name in out if name not in views]  # older shards' arrays
             if rest:
@@ -559,17 +584,8 @@ class CachedDataset:
         lists.update(in_order or {})
         out.update({name: RaggedRows(values) if schema[name].kind == "ragged" else values
                     for name, values in lists.items()})
-        self._faulting = resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
-        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is not None:
-            warmer = self._shard_warmer()  # after the gather: it needs the disk (a remote cache:
-            for shard, _, _ in groups or []:  # the shards it fetched; a local one queued all)
-                warmer.warm(self._reader(shard).path)
-        if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
-            for reader in self._readers.values():
-                reader.release_pages()
-            self._mapped_read = 0
         order = indices[stored] if storage_order and stored is not None and not in_order else indices
-        return out, order
+        return out, order, groups or []
 
     def _decode(self, name: str, values: list[Any], indices: np.ndarray) -> np.ndarray:
         """The decoded images of an encoded column, each decoded straight into its slot of one
