@@ -18,7 +18,6 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
-import torch
 
 from precache.processing.ops.base import Op, Sample
 from precache.processing.ops.labels import Labels
@@ -118,11 +117,15 @@ class Resample(Op):
         return {"spacing": list(self.spacing)}
 
     def setup(self) -> None:
+        import torch  # here, not at import: the CLI starts without torch
+
         torch.set_num_threads(1)  # parallelism comes from worker processes
 
     def __call__(self, sample: Sample) -> Sample:
         if not any(self.spacing):
             return sample
+        import torch
+
         volume, old = sample["volume"], sample["spacing"].astype(np.float64)
         target = np.where(np.asarray(self.spacing) > 0, self.spacing, old)
         shape = np.maximum(2, np.round(np.asarray(volume.shape) * old / target)).astype(int)
