@@ -18,11 +18,12 @@ examples:
   precache bench data/cache --json | jq .recommendation
 
 For each --workers value it prints the samples/s a training loop receives from
-make_loader(CachedDataset(CACHE, columns), batch_size, shuffle=True, num_workers=w), epoch 1
+make_loader(CachedDataset(CACHE, columns), batch_size, shuffle=True, num_workers=w), with the
+workers as threads of the training process and as worker processes (worker_kind), epoch 1
 (worker start, first reads) apart from the later epochs, against two baselines measured in the
 same run: the limit and a plain DataLoader over one picture file per row (cv2.imread), then
-batch sizes 64/256/1024 at the best workers, worker memory (RSS) per epoch, and a recommended
-num_workers and batch size.
+batch sizes 64/256/1024 at the best workers, worker processes' memory (RSS) per epoch, and a
+recommended num_workers, worker_kind and batch size.
 
 The limit reads the same bytes from memory-mapped .npy files, every column asked for: np.take of
 each fixed-shape column into preallocated batches; for each variable-length column (ragged,
@@ -30,7 +31,8 @@ bytes, str), exported as flat values + int64 offsets, one slice values[offsets[i
 per row (str decoded as UTF-8); an encoded image column (jpeg/webp) decoded row by row with
 precache's decoder into one preallocated array. Temporary files go to $TMPDIR (about the
 cache's size, fixed-shape columns decoded).
-On few cores, workers can be slower than the main process for cached data: measure it.
+Worker processes copy every batch through shared memory; threads hand it over as is, and
+processes pay off only for per-sample Python transforms: measure it.
 """
 
 

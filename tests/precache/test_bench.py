@@ -62,18 +62,21 @@ def test_bench_reports_every_rate_ratio_recommendation_and_worker_rss(root, caps
     assert result["limit"]["samples_per_s"] > 0 and len(result["limit"]["runs"]) == 2
     per_file = result["per_file"]
     assert per_file["skipped"] is None and per_file["format"] == "jpeg"
+    assert [(e["workers"], e["worker_kind"]) for e in result["cached"]] == [
+        (0, "none"), (1, "threads"), (1, "processes")]  # a worker as a thread, as a process
+    assert [e["workers"] for e in per_file["results"]] == [0, 1]
     for entries in (result["cached"], per_file["results"]):
-        assert [e["workers"] for e in entries] == [0, 1]
         for e in entries:
             assert e["epoch1"] > 0 and e["epoch2"] > 0 and len(e["epoch_rates"]) >= 2
     for c in result["cached"]:
         assert c["fraction_of_limit"] > 0 and c["vs_per_file"] > 0 and c["batch_size"] == 16
-    assert result["cached"][0]["rss_kb"] == []  # no workers, no worker memory
-    rss = result["cached"][1]["rss_kb"]
+    assert result["cached"][0]["rss_kb"] == result["cached"][1]["rss_kb"] == []  # no process
+    rss = result["cached"][2]["rss_kb"]
     assert rss and all(epoch and all(kb > 0 for kb in epoch) for epoch in rss)
     assert [b["batch_size"] for b in result["batch_sizes"]] == [16, 64]  # 256, 1024 > 64 rows
     rec = result["recommendation"]
     assert rec["num_workers"] in (0, 1) and rec["batch_size"] in (16, 64)
+    assert rec["worker_kind"] == max(result["cached"], key=lambda c: c["epoch2"])["worker_kind"]
     rss = result["worker_rss"]
     assert rss["workers"] == 1 and rss["epochs"] >= 2
     for key in ("after_epoch1_kb", "after_epoch2_kb", "after_last_epoch_kb"):

@@ -263,9 +263,11 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
         cached: list[dict[str, Any]] = []
         per_file: list[dict[str, Any]] = []
         for w in counts:
-            say(f"cached loader, workers={w}")
-            cached.append(dict(workers=w, batch_size=batch_size,
-                               **asdict(measure_cached(path, columns, batch_size, w, seconds))))
+            for kind in ("threads", "processes") if w else ("none",):
+                say(f"cached loader, workers={w}" + (f" ({kind})" if w else ""))
+                cached.append(dict(workers=w, worker_kind=kind, batch_size=batch_size,
+                                   **asdict(measure_cached(path, columns, batch_size, w, seconds,
+                                                           "auto" if not w else kind))))
             if not image_problem:
                 say(f"per-file loader, workers={w}")
                 color = len(schema["image"].shape) == 3 or schema["image"].kind == "bytes"
@@ -275,10 +277,13 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
         best = max(cached, key=lambda r: r["epoch2"])
         trials = [best]
         for b in sorted({b for b in BATCH_SIZES if b <= rows} - {batch_size}):
-            say(f"cached loader, workers={best['workers']}, batch size {b}")
-            trials.append(dict(workers=best["workers"], batch_size=b,
+            say(f"cached loader, workers={best['workers']} ({best['worker_kind']}), "
+                f"batch size {b}")
+            trials.append(dict(workers=best["workers"], worker_kind=best["worker_kind"],
+                               batch_size=b,
                                **asdict(measure_cached(path, columns, b, best["workers"],
-                                                       seconds))))
+                                                       seconds, "auto" if not best["workers"]
+                                                       else best["worker_kind"]))))
         if arrays:
             say("limit: NumPy gather (second half)")
             limit_runs.append(measure_gather(arrays, batch_size, seconds / 2))
@@ -300,10 +305,11 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
     result["per_file"] = {"format": file_format, "quality": 95 if file_format == "jpeg" else None,
                           "skipped": image_problem, "results": per_file}
     trials.sort(key=lambda r: r["batch_size"])
-    result["batch_sizes"] = [{k: r[k] for k in ("workers", "batch_size", "epoch1", "epoch2",
+    result["batch_sizes"] = [{k: r[k] for k in ("workers", "worker_kind", "batch_size",
+                                                "epoch1", "epoch2",
                                                 "epoch_rates", "cut_epochs")} for r in trials]
     result["recommendation"] = {
-        "num_workers": best["workers"],
+        "num_workers": best["workers"], "worker_kind": best["worker_kind"],
         "batch_size": max(trials, key=lambda r: r["epoch2"])["batch_size"]}
     result["worker_rss"] = _worker_rss(cached)
     result["notes"] = _notes(columns, limited, image_problem)

@@ -167,12 +167,14 @@ def _shutdown(loader: DataLoader) -> None:
 
 
 def measure_cached(cache: str, columns: Sequence[str], batch_size: int, workers: int,
-                   seconds: float) -> Rates:
-    """Samples/s a training loop receives from ``make_loader`` over ``CachedDataset``; epoch 1
-    starts with the shards out of the page cache (``drop_page_cache``)."""
+                   seconds: float, worker_kind: str = "auto") -> Rates:
+    """Samples/s a training loop receives from ``make_loader`` over ``CachedDataset`` (its
+    workers of ``worker_kind``); epoch 1 starts with the shards out of the page cache
+    (``drop_page_cache``)."""
     drop_page_cache(shard_paths(cache))
     dataset = CachedDataset(cache, columns)
-    loader = make_loader(dataset, batch_size, shuffle=True, num_workers=workers)
+    loader = make_loader(dataset, batch_size, shuffle=True, num_workers=workers,
+                         worker_kind=worker_kind)
     rss: list[list[int]] = []
     anon: list[list[int]] = []
     uss: list[list[int]] = []
@@ -183,7 +185,7 @@ def measure_cached(cache: str, columns: Sequence[str], batch_size: int, workers:
         return (_batch_len(b) for b in loader)
 
     def after_epoch() -> None:
-        if workers:
+        if loader.worker_kind == "processes":  # threads: their memory is the loop's own
             pids = _worker_pids(loader.loader)
             rss.append([_proc_status_kb(p, "VmRSS") for p in pids])
             anon.append([_proc_status_kb(p, "RssAnon") for p in pids])
@@ -194,7 +196,9 @@ def measure_cached(cache: str, columns: Sequence[str], batch_size: int, workers:
     try:
         rates = _run_epochs(epoch, seconds, after_epoch, cut=CACHED_CUT * seconds)
     finally:
-        _shutdown(loader.loader)
+        if isinstance(loader.loader, DataLoader):
+            _shutdown(loader.loader)
+        loader.close()
         dataset.close()
     rates.rss_kb, rates.anon_kb, rates.uss_kb, rates.pss_kb = rss, anon, uss, pss
     return rates

@@ -61,17 +61,18 @@ def format_report(result: dict[str, Any]) -> str:
     rows = []
     for c in r["cached"]:
         p = files.get(c["workers"], {})
-        rows.append([str(c["workers"]), _rate(c["epoch1"]), _ratio(c["epoch1_fraction_of_limit"]),
+        rows.append([str(c["workers"]), c.get("worker_kind", "-"), _rate(c["epoch1"]), _ratio(c["epoch1_fraction_of_limit"]),
                      _rate(c["epoch2"]), _epochs(c), _ratio(c["fraction_of_limit"]),
                      _rate(p.get("epoch1")), _rate(p.get("epoch2")),
                      _epochs(p) if p else "-", _ratio(c["vs_per_file"], "x")])
     out += ["", "samples/s (ep1: epoch 1 with the files out of the page cache (cold), worker "
             "start included; ep2+: epochs 2..n together (warm); *: epochs cut, cached after "
             f"{CACHED_CUT * r['seconds']:g} s, per-file after {r['seconds']:g} s)", "",
-            _table(["workers", "cached ep1", "of cold limit", "ep2+", "epochs", "of limit",
+            _table(["workers", "as", "cached ep1", "of cold limit", "ep2+", "epochs", "of limit",
                     "per-file ep1", "ep2+", "epochs", "cached/per-file"], rows)]
     rec = r["recommendation"]
-    out += ["", f"batch sizes at workers={rec['num_workers']} (samples/s)", "",
+    out += ["", f"batch sizes at workers={rec['num_workers']} "
+            f"({rec.get('worker_kind', 'processes')}; samples/s)", "",
             _table(["batch", "ep1", "ep2+", "epochs"],
                    [[str(b["batch_size"]), _rate(b["epoch1"]), _rate(b["epoch2"]),
                      _epochs(b)] for b in r["batch_sizes"]])]
@@ -90,13 +91,16 @@ def format_report(result: dict[str, Any]) -> str:
                 "decoded size (a mapped page only one worker touched counts in its USS, though "
                 "the page cache holds it once for all)"]
     best = max(r["batch_sizes"], key=lambda b: b["epoch2"])
-    out += ["", f"recommended: num_workers={rec['num_workers']} (most samples/s in epochs 2+), "
+    kind = rec.get("worker_kind", "processes")
+    out += ["", f"recommended: num_workers={rec['num_workers']}"
+            + (f", worker_kind={kind!r}" if rec["num_workers"] else "")
+            + " (most samples/s in epochs 2+), "
             f"batch_size={rec['batch_size']} ({_rate(best['epoch2'])} samples/s, the most of "
             f"{', '.join(str(b['batch_size']) for b in r['batch_sizes'])}); differences of a few "
             "percent are noise", "",
-            "notes:", "- on few cores, worker processes can be slower than the main process for "
-            "cached data (every batch is copied through shared memory and the processes share "
-            "the cores); workers pay off when a transform does per-sample work"]
+            "notes:", "- worker processes copy every batch through shared memory; worker "
+            "threads (make_loader's default for a CachedDataset without a per-sample transform) "
+            "hand it over as is. Processes pay off when a transform does Python work per sample"]
     if r["ram_bytes"] and r["decoded_bytes"] > r["ram_bytes"]:
         out.append("- the cache is larger than RAM: every epoch reads from disk, so expect the "
                    "cold (ep1) rates, not the warm ones, in training")
