@@ -19,21 +19,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "about one batch in --timeline-every (CUDA events on a GPU, so the measured step never "
         "waits for the device). Prints each epoch's shares, then the checklist's suggestions "
         "for the chosen epoch: more loader workers, fewer columns, caching a transform, pinned "
-        "memory, mixed precision, torch.compile, channels_last, a bigger batch or accumulation.",
+        "memory, mixed precision, torch.compile, channels_last, a bigger batch or accumulation, "
+        "loader threads instead of worker processes, JPEG decoding on the GPU. --plot draws it.",
         epilog="examples:\n  precache doctor runs/finetune\n"
-        "  precache doctor runs/faces/metrics.jsonl --epoch 0 --json",
+        "  precache doctor runs/faces/metrics.jsonl --epoch 0 --json\n"
+        "  precache doctor runs/faces --plot steps.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", help="a run folder (holding metrics.jsonl) or a metrics.jsonl")
     parser.add_argument("--epoch", type=int, default=None,
                         help="the epoch to diagnose (default: the last one with a timeline)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw each epoch's step time by phase (a stacked bar per "
+                        "epoch, ms per batch beside it) into this PNG (needs matplotlib)")
     parser.set_defaults(handler=doctor_command)
 
 
 def doctor_command(args: argparse.Namespace) -> int:
-    from precache.training.doctor import (PHASES, TimelineError, diagnose, load_timeline, table,
-                                          timed)
+    from precache.training.doctor import (PHASES, TimelineError, diagnose, load_timeline, plot,
+                                          table, timed)
 
     try:
         config, epochs, steps = load_timeline(args.run)
@@ -48,6 +53,12 @@ def doctor_command(args: argparse.Namespace) -> int:
               f"(epochs with one: {have})", file=sys.stderr)
         return 2
     findings = diagnose(config, chosen)
+    if args.plot:
+        try:
+            plot(epochs, args.plot, title=f"{args.run}: where step time goes")
+        except (RuntimeError, OSError) as e:
+            print(f"precache: error: {args.plot}: {e}", file=sys.stderr)
+            return 2
     if args.json:
         timeline = dict(chosen["timeline"])
         if not timed(timeline):  # unknown, not 0: no batch was timed in detail

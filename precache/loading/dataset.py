@@ -169,6 +169,10 @@ class CachedDataset:
             least recently used shards are deleted past it). Give it the whole cache for epoch 2
             to read only from local disk.
 
+        decode_images: decode JPEG/WebP columns (stage 1's ``image_codec``) into one uint8
+            batch array (default). ``False``: hand out each row's encoded bytes (a uint8 array
+            viewing the shard) for ``precache.loading.decode_images(rows, "cuda")`` to decode
+            on the GPU: a batch then travels at the size of its JPEG bytes.
         generation: the generation of the cache to read (default: the current one; under
             ``torch.distributed``, the one rank 0 finds current, so all ranks read the same).
             The dataset holds it (a reader lease): a re-run of stage 1 publishes a new one
@@ -185,7 +189,8 @@ class CachedDataset:
                  max_decoded_bytes: int = 1 << 30, resident: bool | None = None,
                  max_open_shards: int = 4096, release_mapped_bytes: int | None = None,
                  disk_cache_dir: str | os.PathLike[str] | None = None,
-                 disk_cache_bytes: int | None = None, generation: int | None = None) -> None:
+                 disk_cache_bytes: int | None = None, generation: int | None = None,
+                 decode_images: bool = True) -> None:
         self.path = os.fspath(cache)
         self._owner_pid = os.getpid()
         self._cache = open_pinned(self.path, DiskCache(disk_cache_dir, disk_cache_bytes),
@@ -196,6 +201,7 @@ class CachedDataset:
             raise KeyError(f"{self.path}: no column {missing} in this cache; it has {sorted(schema)}")
         self.columns = list(columns) if columns else list(schema)
         self.transform = transform
+        self.decode_images = decode_images
         # JPEG/WebP columns (stage 1's image_codec): decoded here, one row at a time
         self._encoded = {name: codec for name, codec in
                          encoded_columns(self._cache.manifest.ops).items() if name in self.columns}
@@ -291,6 +297,12 @@ class CachedDataset:
     def kept_generations(self) -> list[int]:
         """The generations of the cache whose files are kept now (the current one included)."""
         return self._cache.kept_generations()
+
+    @property
+    def encoded_columns(self) -> list[str]:
+        """The requested columns stored as JPEG/WebP (decoded here unless ``decode_images``
+        is False)."""
+        return list(self._encoded)
 
     @property
     def shard_ids(self) -> np.ndarray:
@@ -483,7 +495,8 @@ class CachedDataset:
                 self._after_gather(faults, groups)
         for name in self._encoded:
             if name in out and order is not None:
-                out[name] = self._decode(name, out[name], order)
+                out[name] = (self._decode(name, out[name], order) if self.decode_images else
+                             [np.frombuffer(value, np.uint8) for value in out[name]])
         return out
 
     def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline", "table", "timed"]
+__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline", "plot", "table", "timed"]
 
 DATA_WAIT_HIGH = 0.2  # share of step time waiting for the loader
 H2D_HIGH = 0.1  # share in host-to-device copies (CUDA)
@@ -135,6 +135,19 @@ def _data_wait_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Find
             found.append(Finding("fewer-columns", where + f"; columns read but not used: "
                                  f"{', '.join(unused)}",
                                  "read only the columns the step uses (CachedDataset(columns=...))"))
+        if config.get("worker_kind") == "processes" and not config.get("transform_in_loader"):
+            found.append(Finding("thread-workers", where + " as worker processes",
+                                 "make_loader(..., worker_kind='threads'), the default for a "
+                                 "CachedDataset without a per-sample transform: batches are "
+                                 "handed over as they are instead of copied through shared "
+                                 "memory; augment whole batches (batch_transform=, or on the "
+                                 "device)"))
+        if config.get("device") == "cuda" and config.get("images_decoded_on") == "cpu":
+            found.append(Finding("decode-on-gpu", where + "; JPEG crops decoded on the CPU",
+                                 "CachedDataset(..., decode_images=False), then "
+                                 "precache.loading.decode_images(batch['image'], 'cuda'): the "
+                                 "batch travels as JPEG bytes and nvJPEG decodes it (pip install "
+                                 "torchcodec)"))
         if config.get("transform_in_loader"):
             found.append(Finding("cache-the-transform", where + "; a transform runs in the loader",
                                  "move deterministic work into stage 1 (an op: it runs once, "
@@ -213,3 +226,52 @@ def table(epochs: list[dict[str, Any]]) -> list[str]:
         rows.append(f"-: not timed: 0 sampled batches in epoch{'s' if len(untimed) > 1 else ''} "
                     f"{', '.join(untimed)} (about one batch in --timeline-every is timed)")
     return rows
+
+
+def plot(epochs: list[dict[str, Any]], path: str | os.PathLike[str], title: str = "") -> None:
+    """Draw where step time goes: one stacked bar per epoch, each phase's share of the step
+    (``data_wait`` first, as the part the loader decides), labelled with seconds per batch;
+    written as a PNG (matplotlib, headless). An epoch that timed no batch in detail shows only
+    its data wait, the rest as ``not timed``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (it comes with precache[faces]).
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or "
+                           "precache[faces])") from None
+    colours = {"data_wait": "#d62728", "h2d": "#ff7f0e", "forward": "#1f77b4",
+               "backward": "#2ca02c", "optimizer": "#9467bd", "other": "#7f7f7f",
+               "not timed": "#dddddd"}
+    labels = [str(r.get("epoch", "?")) for r in epochs]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(epochs)))
+    left = [0.0] * len(epochs)
+    for phase in (*PHASES, "not timed"):
+        shares = []
+        for record in epochs:
+            t = record["timeline"]
+            known = timed(t)
+            if phase == "not timed":
+                shares.append(0.0 if known else max(0.0, 1.0 - t.get("data_wait", 0.0)))
+            else:
+                shares.append(t.get(phase, 0.0) if known or phase == "data_wait" else 0.0)
+        if any(shares):
+            ax.barh(labels, [100 * x for x in shares], left=[100 * x for x in left],
+                    color=colours[phase], label=phase)
+            left = [a + b for a, b in zip(left, shares)]
+    for y, record in enumerate(epochs):
+        ax.text(101, y, f"{record['timeline'].get('step_s', 0.0) * 1000:.1f} ms/batch",
+                va="center", fontsize=8)
+    ax.set_xlim(0, 125)
+    ax.set_xlabel("share of step time (%)")
+    ax.set_ylabel("epoch")
+    ax.invert_yaxis()
+    ax.set_title(title or "where step time goes")
+    ax.legend(loc="lower right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

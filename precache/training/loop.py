@@ -52,7 +52,7 @@ class Loader(Protocol):
     ``precache.training.text.BucketLoader``). ``consumed`` counts samples this rank trained on in
     the epoch since it started or was resumed."""
 
-    loader: Any  # the torch DataLoader (its num_workers)
+    loader: Any  # make_loader's CacheLoader (its num_workers, worker_kind)
 
     def set_epoch(self, epoch: int) -> None: ...
     def start_epoch(self, epoch: int) -> None: ...
@@ -182,7 +182,7 @@ def fit(task: Task, settings: Settings) -> None:
     run = Run(settings, rank, world, device, precision, amp_dtype)
     out = Path(settings.out)
     data = task.data(run)
-    loader, workers = data.loader, data.loader.loader.num_workers
+    loader, workers = data.loader, data.loader.num_workers  # threads or processes (CacheLoader)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
     if device.type == "cpu":  # the cores left to this rank after its loader workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world - workers))
@@ -213,7 +213,12 @@ def fit(task: Task, settings: Settings) -> None:
     net = torch.compile(model, dynamic=task.compile_dynamic) if settings.compile else model
 
     log = MetricLog(out, rank)
-    log.run(device=device.type, world_size=world, workers=workers, cpus=os.cpu_count(),
+    cached = loader._cached_dataset() if hasattr(loader, "_cached_dataset") else None
+    encoded = bool(cached is not None and cached.encoded_columns)
+    decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
+    log.run(device=device.type, world_size=world, workers=workers,
+            worker_kind=getattr(loader, "worker_kind", "processes"),
+            images_decoded_on=decoded_on, cpus=os.cpu_count(),
             batch_size=settings.batch_size, accumulate=settings.accumulate, precision=precision,
             cpu_bf16=cpu_has_native_bf16(), compile=settings.compile,
             channels_last=task.channels_last, input=task.input, columns=data.columns,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import precache
-from precache.loading import CachedDataset, make_loader
+from precache.loading import CachedDataset, decode_images, make_loader
 from tests.helpers import build_cache, write_photos
 
 
@@ -149,3 +149,32 @@ def test_auto_uses_processes_where_python_runs_per_sample(cache):
     forced.close()
     with pytest.raises(ValueError, match="worker_kind"):
         make_loader(plain, 4, num_workers=2, worker_kind="fibres")
+
+
+def test_encoded_crops_travel_as_bytes_and_decode_where_the_batch_is_used(cache):
+    reference = CachedDataset(cache, columns=COLUMNS)
+    images = reference.read_batch(list(range(len(reference))))["image"]
+    encoded = CachedDataset(cache, columns=COLUMNS, decode_images=False)
+    loader = make_loader(encoded, 8, num_workers=2, seed=6)
+    loader.set_epoch(0)
+    keys = reference.read_batch(list(range(len(reference))))["key"]
+    for batch in loader:
+        rows = [keys.index(k) for k in batch["key"]]
+        assert all(isinstance(r, np.ndarray) and r.dtype == np.uint8 for r in batch["image"])
+        assert not any(r.flags.owndata for r in batch["image"])  # views of the shards
+        decoded = decode_images(batch["image"], "cpu")
+        np.testing.assert_array_equal(decoded.numpy(), images[rows])
+    loader.close()
+    broken = [batch["image"][0], np.frombuffer(b"\xff\xd8 not a jpeg", np.uint8)]
+    with pytest.raises(ValueError, match="row 1"):
+        decode_images(broken, "cpu", where="batch 3")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvJPEG)")
+def test_crops_decoded_on_the_gpu_match_the_cpu(cache):
+    dataset = CachedDataset(cache, columns=["image"], decode_images=False)
+    rows = dataset.read_batch(list(range(len(dataset))))["image"]
+    on_gpu = decode_images(rows, "cuda")
+    assert on_gpu.device.type == "cuda" and on_gpu.shape[1:] == (16, 16, 3)
+    difference = (on_gpu.cpu().int() - decode_images(rows, "cpu").int()).abs()
+    assert difference.float().mean() < 1.0  # nvJPEG's IDCT may differ by a grey level

@@ -145,3 +145,28 @@ def test_an_epoch_with_no_timed_batch_says_not_timed_instead_of_0_percent(tmp_pa
     as_json = json.loads(precache_cli("doctor", str(run), "--json").stdout)
     assert as_json["timeline"]["forward"] is None and as_json["timeline"]["data_wait"] >= 0
     assert as_json["findings"][0]["rule"] == "not-timed"
+
+
+def test_a_loader_bound_run_is_shown_the_thread_and_gpu_decode_paths(loader_bound):
+    config, epochs, _ = load_timeline(loader_bound)
+    tuned = dict(config, workers=3, columns=["image", "landmarks5"])
+    assert rules(diagnose(dict(tuned, worker_kind="processes"), epochs[-1])) == ["thread-workers"]
+    assert rules(diagnose(dict(tuned, worker_kind="threads"), epochs[-1])) == [
+        "loader-at-its-limit"]
+    gpu = dict(tuned, worker_kind="threads", device="cuda", images_decoded_on="cpu")
+    assert "decode-on-gpu" in rules(diagnose(gpu, epochs[-1]))
+    assert "decode-on-gpu" not in rules(diagnose(dict(gpu, images_decoded_on="device"),
+                                                 epochs[-1]))
+
+
+def test_the_plot_draws_each_epoch_with_its_data_wait(loader_bound, tmp_path):
+    import matplotlib.image
+
+    done = precache_cli("doctor", str(loader_bound), "--plot", str(tmp_path / "steps.png"))
+    assert done.returncode == 0, done.stderr
+    pixels = (matplotlib.image.imread(tmp_path / "steps.png")[..., :3] * 255).round()
+    red = (abs(pixels - [0xD6, 0x27, 0x28]).sum(axis=-1) < 6).sum()  # data_wait's colour
+    _, epochs, _ = load_timeline(loader_bound)
+    assert epochs[-1]["timeline"]["data_wait"] > 0.2 and red > 500
+    bad = precache_cli("doctor", str(loader_bound), "--plot", str(tmp_path / "no" / "x.png"))
+    assert bad.returncode == 2 and "x.png" in bad.stderr
