@@ -214,7 +214,7 @@ def fit(task: Task, settings: Settings) -> None:
 
     log = MetricLog(out, rank)
     cached = loader._cached_dataset() if hasattr(loader, "_cached_dataset") else None
-    encoded = bool(cached is not None and cached.encoded_columns)
+    encoded = bool(getattr(cached, "encoded_columns", None))  # a CachedDataset's JPEG columns
     decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
     log.run(device=device.type, world_size=world, workers=workers,
             worker_kind=getattr(loader, "worker_kind", "processes"),

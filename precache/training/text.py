@@ -44,6 +44,8 @@ class BucketLoader:
                  workers: int | None, pin_memory: bool) -> None:
         workers = loader_workers() if workers is None else workers
         self.sampler = sampler
+        # worker processes: TokenCollate pads rows in Python, which would hold the GIL
+        self.num_workers, self.worker_kind = workers, "processes" if workers else "none"
         self.loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                                  num_workers=workers, pin_memory=pin_memory,
                                  persistent_workers=workers > 0)
