@@ -19,7 +19,9 @@ Readers, each full shuffle, batch 256, warm (one untimed epoch first), epochs in
 
 With ``--augment`` each reader's batch is also augmented: the limit and the threads with the
 batched ``FaceAugment`` (``batch_transform``, OpenCV form), the processes both ways (the
-per-sample ``FaceAugment`` as the dataset's transform, today's setting, and batched). The cache
+per-sample ``FaceAugment`` as the dataset's transform, the setting before issue 25, and
+batched); ``--per-sample-from FILE`` takes the per-sample one from another file (the code
+before batching: ``git show d778025:precache/augment/face.py > /tmp/face_before.py``). The cache
 then carries the face columns FaceAugment moves (5 landmarks, mesh, region hulls).
 
 The loop touches one pixel row of each batch and counts rows; each reader must hand out every
@@ -44,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import precache  # noqa: E402
-from precache.cache.schema import ragged  # noqa: E402,F401
+from precache.faces.topology import region_hulls  # noqa: E402
 from precache.loading import CachedDataset, make_loader  # noqa: E402
 from precache.processing.ops import FunctionOp  # noqa: E402
 from precache.processing.ops.image import EncodeImage  # noqa: E402
@@ -56,7 +58,7 @@ BATCH = 256
 
 def face_rows(sample: dict, size: int) -> list[dict]:
     """16 face-shaped rows of one input: a smooth crop (JPEG spends realistic bytes on it),
-    5 landmarks and a 468-point mesh inside it, and region hulls."""
+    5 landmarks and a 468-point mesh inside it (random points), and the mesh's region hulls."""
     import cv2
 
     spec = json.loads(sample["data"])
@@ -68,14 +70,9 @@ def face_rows(sample: dict, size: int) -> list[dict]:
         image = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)
         image = np.clip(image + rng.normal(0, 6, image.shape), 0, 255).astype(np.uint8)
         mesh = (0.2 + 0.6 * rng.random((468, 2))).astype(np.float32) * (size - 1)
-        regions = np.full((8, 32, 2), np.nan, np.float32)
-        for r in range(8):
-            centre = rng.uniform(0.3, 0.7, 2) * size
-            angles = np.sort(rng.uniform(0, 2 * np.pi, 12))
-            regions[r, :12] = centre + np.c_[np.cos(angles), np.sin(angles)] * size * 0.1
+        regions, sizes = region_hulls(mesh)  # as stage 1's face_regions op
         rows.append({**base, "image": image, "landmarks5": mesh[:5].copy(), "mesh": mesh,
-                     "has_mesh": np.bool_(True), "regions": regions,
-                     "region_sizes": np.full(8, 12, np.int32),
+                     "has_mesh": np.bool_(True), "regions": regions, "region_sizes": sizes,
                      "label": np.int64(int(spec["seed"]) % 2)})
     return rows
 
@@ -164,6 +161,9 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--augment", action="store_true")
+    parser.add_argument("--per-sample-from", type=Path, default=None, metavar="FACE.py",
+                        help="with --augment: take the per-sample FaceAugment from this file, e.g."
+                        " the code before batching (git show d778025:precache/augment/face.py)")
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
     pin_threads()  # one thread per library pool, as make_loader's workers; threads read
@@ -195,6 +195,14 @@ def measure(workload: str, cache: Path, arrays: dict[str, Any], encoded: Any,
 
         batched = FaceAugment(seed=1)
         per_sample = FaceAugment(seed=1)
+        if args.per_sample_from is not None:  # e.g. the per-sample code before batching
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("face_before", args.per_sample_from)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["face_before"] = module
+            spec.loader.exec_module(module)
+            per_sample = module.FaceAugment(seed=1)
     limit = Limit(arrays, encoded, seed=0)
     readers["limit (in-process gather" + (" + batched augment)" if batched else ")")] = (
         lambda e: limit.epoch(e, batched))
