@@ -12,6 +12,7 @@ the region picks and all point sets (one expression for the whole batch).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import cv2
@@ -28,9 +29,25 @@ FLIPS = {"landmarks5": topology.LANDMARKS5_FLIP, "mesh": topology.MESH_FLIP,
          "regions": topology.REGION_FLIP, "region_sizes": topology.REGION_FLIP}
 
 
+_OPENCV_PINNED = [0]  # the pid of the process whose OpenCV was set to one thread
+
+
+def _one_opencv_thread() -> None:
+    """Set OpenCV to one thread in this process, once, before its first call here. A 128 px
+    crop is too small for OpenCV's own pool to pay (parallelism comes from the loader's threads
+    or processes), and a pool started in a process that later forks hangs the child: a forked
+    DataLoader worker that calls ``cv2.setNumThreads`` (``make_loader``'s workers do) waits
+    forever for pool threads that were not copied (seen with a batched augmentation in the
+    training process, then worker processes for another loader)."""
+    if _OPENCV_PINNED[0] != os.getpid():
+        _OPENCV_PINNED[0] = os.getpid()
+        cv2.setNumThreads(1)
+
+
 def apply_opencv(batch: dict[str, Any], draws: FaceDraws,
                  region_rows: Sequence[int]) -> dict[str, Any]:
     """Augment a batch of NumPy arrays (``image`` (n, H, W, 3) uint8); returns a new dict."""
+    _one_opencv_thread()
     images = batch["image"]
     n, height, width = images.shape[:3]
     matrices = geometry_matrices(draws, width, height)
