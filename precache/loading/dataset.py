@@ -52,7 +52,8 @@ from torch.utils.data import default_collate
 from precache.cache import Cache
 from precache.cache.formats.base import ShardReader
 from precache.cache.formats.variable import FEW_ROWS, VARIABLE_KINDS
-from precache.cache.image_codec import decode_image, encoded_columns
+from precache.cache.image_codec import encoded_columns
+from precache.loading.image_decode import decode_into_batch
 from precache.loading.open_shards import OpenShards
 from precache.loading.pinned import open_pinned
 from precache.loading.row_table import RowTable
@@ -604,20 +605,14 @@ class CachedDataset:
         """The decoded images of an encoded column, each decoded straight into its slot of one
         ``(n, h, w, 3)`` uint8 array (crops of one cache share a size). ``indices``: the rows,
         for messages."""
-        batch: np.ndarray | None = None
-        for i, (value, index) in enumerate(zip(values, indices)):
-            try:
-                if batch is None:
-                    first = decode_image(value)
-                    batch = np.empty((len(values), *first.shape), dtype=np.uint8)
-                    batch[0] = first
-                else:
-                    decode_image(value, out=batch[i])
-            except ValueError as error:
-                shard = int(self._shard[index])
-                raise ValueError(f"{self.path}: row {int(index)} (shard {shard}), column {name!r}: "
-                                 f"{error}; run `precache verify {self.path}`") from None
-        return batch if batch is not None else np.empty((0, 0, 0, 3), np.uint8)
+        def where(i: int) -> str:
+            index = int(indices[i])
+            return f"{self.path}: row {index} (shard {int(self._shard[index])}), column {name!r}"
+
+        try:
+            return decode_into_batch(values, where)
+        except ValueError as error:
+            raise ValueError(f"{error}; run `precache verify {self.path}`") from None
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         # make_loader's IndexBatch: a later batch of this worker, and any order will do

@@ -50,8 +50,14 @@ def decode_images(rows: Sequence[Any], device: torch.device | str = "cpu",
     return torch.from_numpy(_decode_on_cpu(rows, where))
 
 
-def _decode_on_cpu(rows: Sequence[Any], where: str) -> np.ndarray:
-    """Each row decoded straight into its slot of one preallocated batch array."""
+def decode_into_batch(rows: Sequence[Any], where: Callable[[int], str]) -> np.ndarray:
+    """Each row decoded on this CPU straight into its slot of one preallocated ``(n, h, w, 3)``
+    uint8 array (no list of arrays, no stack).
+
+    Raises:
+        ValueError: row ``i`` is not a decodable image of the first row's size; the message
+            starts with ``where(i)``.
+    """
     batch: np.ndarray | None = None
     for i, row in enumerate(rows):
         data = _as_buffer(row)
@@ -63,9 +69,12 @@ def _decode_on_cpu(rows: Sequence[Any], where: str) -> np.ndarray:
             else:
                 decode_image(data, out=batch[i])
         except ValueError as error:
-            raise ValueError(f"{where}, row {i}: {error}") from None
-    assert batch is not None
-    return batch
+            raise ValueError(f"{where(i)}: {error}") from None
+    return batch if batch is not None else np.empty((0, 0, 0, 3), np.uint8)
+
+
+def _decode_on_cpu(rows: Sequence[Any], where: str) -> np.ndarray:
+    return decode_into_batch(rows, lambda i: f"{where}, row {i}")
 
 
 def _as_buffer(row: Any) -> Any:

@@ -58,3 +58,15 @@ def make_video_cache(root: Path, per_label: int, seconds: float, size: int, fram
                         "--set", f"labels={root / 'videos_metadata.json'}", "-q", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return root / "cache"
+
+
+def make_volume_cache(root: Path, count: int, size: int) -> Path:
+    """A volumes cache of ``count`` synthetic cubes of ``size`` voxels (data/make_volumes.py's
+    MedMNIST-style ``.npz``: 70% train, 15% val, 15% test), stored at ``size``."""
+    from tests.helpers.files import load_script
+
+    make_volumes = load_script(REPO / "data" / "make_volumes.py", "make_volumes")
+    make_volumes.make_npz(root / "set.npz", count=count, size=size)
+    build_cache(root / "set.npz", root / "cache", pipeline="volumes", params={"shape": (size,)},
+                workers=1)
+    return root / "cache"

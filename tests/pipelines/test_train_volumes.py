@@ -11,22 +11,17 @@ import pytest
 
 from precache.loading import CachedDataset
 from precache.training.checkpoint import load_checkpoint
-from tests.helpers import (REPO, assert_each_sample_once_per_epoch, build_cache,
-                           keys_per_epoch, load_script, run_torchrun)
+from tests.helpers import (REPO, assert_each_sample_once_per_epoch, keys_per_epoch, load_script,
+                           make_volume_cache, run_torchrun)
 from tests.helpers.training import read_metrics
 
 TRAIN = REPO / "pipelines" / "volumes" / "train.py"
-make_volumes = load_script(REPO / "data" / "make_volumes.py", "make_volumes")
 
 
 @pytest.fixture(scope="module")
 def npz_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """240 synthetic volumes of 24^3 in a MedMNIST-style .npz: 168 train, 36 val, 36 test."""
-    root = tmp_path_factory.mktemp("volumes_train")
-    make_volumes.make_npz(root / "set.npz", count=240, size=24)
-    build_cache(root / "set.npz", root / "cache", pipeline="volumes", params={"shape": (24,)},
-                workers=1)
-    return root / "cache"
+    return make_volume_cache(tmp_path_factory.mktemp("volumes_train"), count=240, size=24)
 
 
 def test_the_resnet3d_learns_the_synthetic_classes(npz_cache: Path, tmp_path: Path):

@@ -11,19 +11,13 @@ import pytest
 
 from precache.loading import CachedDataset, make_loader
 from precache.loading.patches import PatchDataset
-from tests.helpers import REPO, build_cache, load_script
-
-make_volumes = load_script(REPO / "data" / "make_volumes.py", "make_volumes")
+from tests.helpers import make_volume_cache
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """12 volumes of 20^3 (3 labels) from a .npz, in shards of 5 rows."""
-    root = tmp_path_factory.mktemp("patches")
-    make_volumes.make_npz(root / "v.npz", count=12, size=20)
-    build_cache(root / "v.npz", root / "cache", pipeline="volumes", params={"shape": (20,)},
-                workers=1)
-    return root / "cache"
+    """12 volumes of 20^3 (3 labels) from a .npz."""
+    return make_volume_cache(tmp_path_factory.mktemp("patches"), count=12, size=20)
 
 
 def test_patches_are_the_volume_at_their_corner(cache: Path):
