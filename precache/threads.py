@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Iterator
 
-__all__ = ["pin_threads", "threads_pinned", "THREAD_ENV"]
+__all__ = ["pin_threads", "threads_pinned", "THREAD_ENV", "guard_opencv_forks"]
 
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -48,3 +48,35 @@ def threads_pinned() -> Iterator[None]:
         cv2.setNumThreads(cv2_threads)
         if torch is not None and torch_threads is not None:
             torch.set_num_threads(torch_threads)
+
+
+_OPENCV_FORK_GUARD = [False]
+
+
+def guard_opencv_forks() -> None:
+    """Make ``os.fork`` safe for OpenCV in this process (once): before each fork, OpenCV's
+    thread pool is stopped (one thread), and restarted in the parent afterwards.
+
+    OpenCV's pool, once a parallel OpenCV call has run in any thread other than the main one (a
+    loader thread decoding or augmenting), is copied half-alive into a forked child, whose first
+    ``cv2.setNumThreads`` then waits forever: every DataLoader worker process that
+    ``make_loader`` forks calls it (``pin_threads``). Measured: the child hung without this guard
+    and started at once with it. Forks are rare (worker start-up), so stopping the pool costs
+    nothing that matters."""
+    if _OPENCV_FORK_GUARD[0]:
+        return
+    _OPENCV_FORK_GUARD[0] = True
+    saved: list[int] = []
+
+    def before() -> None:
+        cv2 = sys.modules.get("cv2")
+        if cv2 is not None:
+            saved.append(cv2.getNumThreads())
+            cv2.setNumThreads(1)
+
+    def after_in_parent() -> None:
+        cv2 = sys.modules.get("cv2")
+        if cv2 is not None and saved:
+            cv2.setNumThreads(saved.pop())
+
+    os.register_at_fork(before=before, after_in_parent=after_in_parent)

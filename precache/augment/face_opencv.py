@@ -33,12 +33,10 @@ _OPENCV_PINNED = [0]  # the pid of the process whose OpenCV was set to one threa
 
 
 def _one_opencv_thread() -> None:
-    """Set OpenCV to one thread in this process, once, before its first call here. A 128 px
-    crop is too small for OpenCV's own pool to pay (parallelism comes from the loader's threads
-    or processes), and a pool started in a process that later forks hangs the child: a forked
-    DataLoader worker that calls ``cv2.setNumThreads`` (``make_loader``'s workers do) waits
-    forever for pool threads that were not copied (seen with a batched augmentation in the
-    training process, then worker processes for another loader)."""
+    """Set OpenCV to one thread in this process, once, before its first call here: a 128 px
+    crop is too small for OpenCV's own pool to pay, and the parallelism comes from the loader's
+    threads or processes (a pool that did start is also stopped before every fork:
+    ``precache.threads.guard_opencv_forks``)."""
     if _OPENCV_PINNED[0] != os.getpid():
         _OPENCV_PINNED[0] = os.getpid()
         cv2.setNumThreads(1)

@@ -33,9 +33,11 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 from precache.loading.dataset import CachedDataset, collate_samples
 from precache.loading.sampler import DistributedShardSampler
 from precache.loading.threaded import ThreadedBatches
-from precache.threads import pin_threads
+from precache.threads import guard_opencv_forks, pin_threads
 
 __all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches"]
+
+guard_opencv_forks()  # worker processes are forked after loader threads may have used OpenCV
 
 
 def loader_workers() -> int:

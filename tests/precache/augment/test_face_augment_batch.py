@@ -4,7 +4,6 @@ torch form's region masks cover the hulls. On the astronaut's face (conftest.py'
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import cv2
@@ -151,39 +150,3 @@ def test_types_and_the_input_are_kept(batch):
     with pytest.raises(ValueError, match="draws"):
         aug.apply(tensors(batch), aug.draw(N - 1))
 
-
-FORK_AFTER_AUGMENT = """
-import os, sys, threading, time
-import numpy as np
-from precache.augment import FaceAugment
-from precache.threads import pin_threads
-
-rng = np.random.default_rng(0)
-batch = {"image": rng.integers(0, 255, (64, 128, 128, 3), dtype=np.uint8),
-         "landmarks5": rng.random((64, 5, 2), dtype=np.float32) * 127}
-augment = FaceAugment(affine_p=1.0, blur_p=1.0, seed=0)
-reader = threading.Thread(target=lambda: [augment(batch) for _ in range(3)])  # a loader thread
-reader.start()
-reader.join()
-pid = os.fork()  # e.g. a DataLoader worker process of another loader
-if pid == 0:
-    pin_threads()  # what make_loader's worker processes do first
-    os._exit(0)
-for _ in range(300):
-    if os.waitpid(pid, os.WNOHANG)[0]:
-        sys.exit(0)
-    time.sleep(0.05)
-os.kill(pid, 9)
-sys.exit("the forked worker hung in pin_threads")
-"""
-
-
-def test_a_worker_forked_after_batched_augmentation_starts():
-    """OpenCV's own thread pool, started in a process that later forks, hangs the child's first
-    cv2.setNumThreads; FaceAugment keeps OpenCV to one thread in its process."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", FORK_AFTER_AUGMENT], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).parents[3])
-    assert done.returncode == 0, done.stderr[-2000:]
