@@ -393,7 +393,8 @@ class CachedDataset:
         shard_ids = self._shard[indices]
         table = self._readers.row_table(("rows", *names), lambda: RowTable(
             names, [name in self._encoded for name in names], self._first, self._row))
-        if table.usable and (table.ready[shard_ids].all() or self._fill(table, shard_ids)):
+        if table.usable and (table.complete or table.ready[shard_ids].all()
+                             or self._fill(table, shard_ids)):
             self._mapped_read += int(table.row_bytes * len(indices))  # about
             return table.read(indices, shard_ids)
         return self._lists_by_row_reader(indices, names)

@@ -45,6 +45,7 @@ class RowTable:
 
     Attributes:
         ready: a bool per shard, True where the shard is open and its rows can be read.
+        complete: every shard is ready (then no batch needs to check its shards).
         usable: False once a shard could not be added (not read in place, not verified, or
             4 GiB or more of one column): the caller reads this cache another way from then on.
     """
@@ -55,6 +56,8 @@ class RowTable:
         self._first, self._rows = first, rows
         shards = len(first) - 1
         self.ready = np.zeros(shards, dtype=bool)
+        self._ready_count = 0
+        self.complete = shards == 0  # every shard ready: a batch needs no check of its shards
         self._filled = np.zeros(shards, dtype=bool)  # bounds written (they outlive a close)
         self.usable = True
         self._starts = [np.zeros(len(rows), dtype=np.uint32) for _ in self.names]
@@ -88,7 +91,10 @@ class RowTable:
         self._filled[shard] = True
         self._bytes_sum += sum(column.row_bytes for column in columns if column is not None)
         self._count += 1
-        self.ready[shard] = True
+        if not self.ready[shard]:
+            self.ready[shard] = True
+            self._ready_count += 1
+            self.complete = self._ready_count == len(self.ready)
         return True
 
     def drop(self, shard: int) -> None:
@@ -96,6 +102,8 @@ class RowTable:
         never changes, and ``add`` checks the offsets again when it is reopened)."""
         if shard < len(self.ready) and self.ready[shard]:
             self.ready[shard] = False
+            self._ready_count -= 1
+            self.complete = False
             for values in self._values:
                 values[shard] = None
 
