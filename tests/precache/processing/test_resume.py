@@ -33,11 +33,17 @@ def start_run(photos: Path, out: Path, *extra: str, gate_after: int,
                             start_new_session=True, env=env)
 
 
-def kill_after_commits(proc: subprocess.Popen[bytes], journal: Path, commits: int) -> None:
-    """Wait until ``commits`` tasks are journaled, then SIGKILL the run and its workers."""
+def kill_after_commits(proc: subprocess.Popen[bytes], journal: Path, commits: int,
+                       calls: tuple[Path, int] | None = None) -> None:
+    """Wait until ``commits`` tasks are journaled (and, with ``calls=(log, n)``, ``n`` calls are
+    logged: every process has reached its gate), then SIGKILL the run and its workers."""
     try:
         wait_until(lambda: len(list(journal.glob("part-*.json"))) >= commits,
                    f"{commits} journaled tasks", timeout=90, proc=proc)  # it waits at its gates
+        if calls is not None:  # a process that committed may not have started its next task yet
+            log, count = calls
+            wait_until(lambda: len(read_calls(log)) >= count, f"{count} logged calls",
+                       timeout=90, proc=proc)
         assert proc.poll() is None  # still going: killed mid-run, not after it
     finally:
         if proc.poll() is None:
@@ -58,7 +64,7 @@ def test_killed_run_resumes_without_duplicates_or_recomputation(tmp_path: Path,
     names = sorted(p.name for p in write_photos(photos, 40))
     # Both processes take tasks; each commits 2 of 4 inputs, then waits at its 9th input.
     proc = start_run(photos, out, gate_after=8, meet=2)
-    kill_after_commits(proc, out / "journal", 4)
+    kill_after_commits(proc, out / "journal", 4, calls=(call_log, 24))
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "manifest.json").exists()  # not a cache yet, and does not look like one
     done = committed_keys(out / "journal")
