@@ -406,7 +406,6 @@ class CachedDataset:
         wanted = np.unique(shard_ids)
         ready = table.ready[wanted]
         self._readers.keep(wanted[ready].tolist())  # not closed to open the others
-        self._advise_tails(wanted[~ready].tolist())
         for shard in wanted[~ready].tolist():
             variable = self._readers.get(shard).variable()
             if not table.add(shard, [variable.get(name) for name in table.names]):
