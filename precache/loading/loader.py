@@ -170,7 +170,7 @@ class CacheLoader:
                 the loader and the step (a ``DevicePrefetcher`` on CUDA) holds a batch ahead.
         """
         state = self.sampler.state_dict(consumed=self._consumed if consumed is None else consumed)
-        cached = self._cached_dataset()
+        cached = self.cached_dataset()
         if cached is not None:
             state["generation"] = cached.generation  # the order is an order of its rows
         return state
@@ -183,7 +183,7 @@ class CacheLoader:
                 loader's dataset reads (its positions would name other samples); the message
                 says whether the saved generation is still kept and how to resume.
         """
-        cached = self._cached_dataset()
+        cached = self.cached_dataset()
         saved = state.get("generation")
         if cached is not None and saved is not None and saved != cached.generation:
             kept = saved in cached.kept_generations()
@@ -197,12 +197,10 @@ class CacheLoader:
         self.sampler.load_state_dict(state)
         self._consumed = 0
 
-    def _cached_dataset(self) -> Any:
-        """The ``CachedDataset`` under the loader's dataset (through ``Subset``s), or None."""
-        dataset = self.loader.dataset
-        while not hasattr(type(dataset), "generation") and hasattr(dataset, "dataset"):
-            dataset = dataset.dataset
-        return dataset if hasattr(type(dataset), "generation") else None
+    def cached_dataset(self) -> Any:
+        """The dataset over a cache under the loader's dataset (through ``Subset``s: one with a
+        ``generation``, e.g. a ``CachedDataset`` or ``ClipDataset``), or None."""
+        return _beneath_subsets(self.loader.dataset, lambda d: hasattr(type(d), "generation"))
 
 
 def make_loader(
@@ -323,10 +321,8 @@ def _worker_kind(dataset: Any, workers: int, asked: str,
         return "none", "num_workers=0: batches are read by the training loop itself"
     if asked != "auto":
         return asked, f"worker_kind={asked!r}"
-    base = dataset
-    while not isinstance(base, CachedDataset) and hasattr(base, "dataset"):
-        base = base.dataset  # through Subsets
-    if not isinstance(base, CachedDataset):
+    base = _beneath_subsets(dataset, lambda d: isinstance(d, CachedDataset))
+    if base is None:
         return "processes", (f"{type(dataset).__name__} is not a CachedDataset: its Python "
                              "work per sample could hold the GIL")
     if base.transform is not None:
@@ -335,3 +331,11 @@ def _worker_kind(dataset: Any, workers: int, asked: str,
         return "processes", "a collate_fn was given, which may do Python work per sample"
     return "threads", ("the cache's own columns: gather, decode and batched augmentation "
                        "release the GIL")
+
+
+def _beneath_subsets(dataset: Any, found: Callable[[Any], bool]) -> Any:
+    """``dataset``, or the first dataset under its ``Subset``s (``.dataset``), for which
+    ``found`` holds; None if none does."""
+    while not found(dataset) and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset if found(dataset) else None

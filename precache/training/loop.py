@@ -213,7 +213,7 @@ def fit(task: Task, settings: Settings) -> None:
     net = torch.compile(model, dynamic=task.compile_dynamic) if settings.compile else model
 
     log = MetricLog(out, rank)
-    cached = loader._cached_dataset() if hasattr(loader, "_cached_dataset") else None
+    cached = loader.cached_dataset() if hasattr(loader, "cached_dataset") else None
     encoded = bool(getattr(cached, "encoded_columns", None))  # a CachedDataset's JPEG columns
     decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
     log.run(device=device.type, world_size=world, workers=workers,
