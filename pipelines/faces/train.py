@@ -8,7 +8,8 @@ applied. It reads only the cache (no detector, no mesh), so every step is cheap 
 Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented crop with
 ``precache.training.landmarks.LandmarkNet`` (smooth L1); every 10th crop is held out (``val_l1``).
 ``FaceAugment`` augments each batch where it lives after the loader (per uint8 crop with OpenCV on
-a CPU, over the whole batch on a GPU), so the loader ships the cached columns whole.
+a CPU, over the whole batch on a GPU), so the loader ships the cached columns whole; on a GPU,
+JPEG crops travel as their bytes and are decoded there (nvJPEG).
 The loop is ``precache.training.loop.fit``: strategies, precision, accumulation, clipping, the
 OneCycle schedule by progress, the step timeline, and resume on another number of ranks.
 """
@@ -22,7 +23,8 @@ from torch import nn
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
-from precache.loading import CachedDataset, DevicePrefetcher, make_loader
+from precache.loading import CachedDataset, DevicePrefetcher, decode_images, make_loader
+from precache.loading.image_decode import decodes_on
 from precache.training.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
@@ -38,18 +40,23 @@ class Landmarks(Task):
         self.full = CachedDataset(s.cache, columns=["image", "landmarks5"])
         train_idx = [i for i in range(len(self.full)) if i % 10]
         columns = AUGMENT_COLUMNS + ["key"] if s.log_keys else AUGMENT_COLUMNS
-        self.train_set = CachedDataset(s.cache, columns=columns)
+        # JPEG crops (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
+        self.train_set = CachedDataset(s.cache, columns=columns,
+                                       decode_images=not decodes_on(run.device))
         self.augment = FaceAugment(seed=s.seed * 100_003 + run.rank)  # a stream per rank
         self.val_loader = make_loader(Subset(self.full, range(0, len(self.full), 10)),
                                       s.batch_size, shuffle=False, num_workers=0)
         loader = make_loader(Subset(self.train_set, train_idx), s.batch_size,
-                             num_workers=s.workers, seed=s.seed)
+                             num_workers=s.workers, seed=s.seed,
+                             worker_kind=s.worker_kind)
         return TrainData(loader, len(train_idx), columns)
 
     def model(self, run: Run) -> nn.Module:
         return LandmarkNet()
 
     def inputs(self, batch: dict, run: Run) -> Any:
+        if isinstance(batch["image"], list):  # JPEG bytes, decoded where the model is
+            batch = {**batch, "image": decode_images(batch["image"], run.device)}
         return batch_to_inputs(self.augment(batch))  # on the device already (DevicePrefetcher)
 
     def loss(self, net: nn.Module, inputs: Any, run: Run) -> Step:

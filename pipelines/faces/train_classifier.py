@@ -29,7 +29,9 @@ from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
 from precache.cache import Cache
-from precache.loading import CachedDataset, ClipDataset, VideoFrameDataset, as_nchw, make_loader
+from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_nchw,
+                              decode_images, make_loader)
+from precache.loading.image_decode import decodes_on
 from precache.processing.ops.labels import Labels
 from precache.training.landmarks import AUGMENT_COLUMNS
 from precache.training.loop import Run, Step, Task, TrainData, fit
@@ -102,11 +104,13 @@ class VideoClassification(Task):
         a, s = self.args, run.settings
         columns = ["image"] if a.no_augment else AUGMENT_COLUMNS
         self.augment = None if a.no_augment else frame_augment(s.seed * 100_003 + run.rank)
+        # JPEG frames (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
+        decode = not decodes_on(run.device)
         self.train_set = VideoFrameDataset(
             s.cache, frames_per_video=a.frames_per_video, columns=columns,
-            seed=s.seed) if a.mode == "frames" else ClipDataset(
+            seed=s.seed, decode_images=decode) if a.mode == "frames" else ClipDataset(
             s.cache, frames=a.clip_frames, stride=a.stride, start="random", columns=columns,
-            seed=s.seed)
+            seed=s.seed, decode_images=decode)
         self.per_item = a.frames_per_video if a.mode == "frames" else a.clip_frames
         if self.train_set.labels is None:
             raise SystemExit(f"{s.cache} has no label column; run stage 1 with labels=folder or "
@@ -129,7 +133,8 @@ class VideoClassification(Task):
                   f"train, {len(self.truth)} validation; classes {self.classes}, positive "
                   f"{positive!r}", flush=True)
         loader = make_loader(Subset(self.train_set, train_items), s.batch_size,
-                             num_workers=s.workers, seed=s.seed)
+                             num_workers=s.workers, seed=s.seed,
+                             worker_kind=s.worker_kind)
         return TrainData(loader, len(train_items), columns)
 
     def model(self, run: Run) -> nn.Module:
@@ -139,6 +144,8 @@ class VideoClassification(Task):
         return list(batch["video"])
 
     def inputs(self, batch: dict, run: Run) -> Any:
+        if isinstance(batch["image"], list):  # JPEG bytes of B clips, decoded on the device
+            batch = {**batch, "image": decode_images(batch["image"], run.device)}
         images = batch["image"]  # (B, T, H, W, 3) uint8, on the device (DevicePrefetcher)
         if self.augment is not None:
             images = augment_frames(self.augment, batch, clips=self.args.mode == "clips")

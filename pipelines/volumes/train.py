@@ -116,7 +116,8 @@ class VolumeClassification(Task):
         self.val_loader = make_loader(Subset(self.full, val_idx.tolist()), a.val_batch_size,
                                       shuffle=False, num_workers=0)
         loader = make_loader(Subset(self.train_set, train_idx.tolist()), s.batch_size,
-                             num_workers=s.workers, seed=s.seed)
+                             num_workers=s.workers, seed=s.seed,
+                             worker_kind=s.worker_kind)
         if run.rank == 0:
             what = f"{a.patches_per_volume} patches of {self.patches}^3" if self.patches else \
                 "whole"

@@ -154,6 +154,17 @@ class _VideoDataset:
         first_rows = self._index.rows[self._index.group_start[self._index.video_group_start[:-1]]]
         return self._rows.shard_ids[first_rows]
 
+    @property
+    def decode_images(self) -> bool:
+        """Whether JPEG/WebP frames are decoded by the reader (``decode_images=`` of the
+        ``CachedDataset`` options), or handed out as their bytes."""
+        return self._rows.decode_images
+
+    @property
+    def encoded_columns(self) -> Any:
+        """The frame columns stored encoded (stage 1's ``image_codec``)."""
+        return self._rows.encoded_columns
+
     def close(self) -> None:
         """Close the cache's shard files and let go of its generation."""
         self._rows.close()

@@ -24,13 +24,15 @@ import torch
 
 from precache.cache.image_codec import decode_image
 
-__all__ = ["decode_images", "gpu_decoder"]
+__all__ = ["decode_images", "decodes_on", "gpu_decoder"]
 
 
 def decode_images(rows: Sequence[Any], device: torch.device | str = "cpu",
                   where: str = "a batch") -> torch.Tensor:
     """The decoded images of ``rows`` (each a JPEG/WebP buffer: ``bytes``, a uint8 array or
-    tensor) as one ``(n, h, w, 3)`` uint8 tensor on ``device`` (crops of one cache share a size).
+    tensor) as one ``(n, h, w, 3)`` uint8 tensor on ``device`` (crops of one cache share a size);
+    ``rows`` of clips (``n`` lists of ``t`` buffers, as ``collate_clips`` gives them) as one
+    ``(n, t, h, w, 3)`` tensor.
 
     Raises:
         ValueError: a row is not a decodable image, or rows differ in size (naming ``where``
@@ -38,6 +40,9 @@ def decode_images(rows: Sequence[Any], device: torch.device | str = "cpu",
         RuntimeError: ``device`` is a GPU and no GPU decoder is installed (says which to install).
     """
     device = torch.device(device)
+    if len(rows) and isinstance(rows[0], (list, tuple)):  # clips: B lists of T frames
+        frames = [frame for clip in rows for frame in clip]
+        return decode_images(frames, device, where).unflatten(0, (len(rows), len(rows[0])))
     if not len(rows):
         return torch.empty((0, 0, 0, 3), dtype=torch.uint8, device=device)
     if device.type == "cuda":
@@ -48,6 +53,13 @@ def decode_images(rows: Sequence[Any], device: torch.device | str = "cpu",
                                "or decode on the CPU: CachedDataset(..., decode_images=True)")
         return decode(rows, device, where)
     return torch.from_numpy(_decode_on_cpu(rows, where))
+
+
+def decodes_on(device: torch.device | str) -> bool:
+    """Whether JPEG crops for a model on ``device`` should travel encoded and be decoded there
+    (``CachedDataset(..., decode_images=not decodes_on(device))``): a CUDA device with a GPU
+    decoder installed. The trainers choose so by default."""
+    return torch.device(device).type == "cuda" and gpu_decoder() is not None
 
 
 def decode_into_batch(rows: Sequence[Any], where: Callable[[int], str]) -> np.ndarray:

@@ -45,8 +45,9 @@ class ThreadedBatches:
     """The batches of ``batch_sampler`` read by ``threads`` threads of this process, in order.
 
     Args:
-        dataset: a map-style dataset whose ``__getitems__`` may run in several threads at once
-            (``CachedDataset`` guards its own state and decodes outside its lock).
+        dataset: a map-style dataset whose ``__getitems__`` (else ``__getitem__`` per index)
+            may run in several threads at once (``CachedDataset`` guards its own state and
+            decodes outside its lock).
         batch_sampler: yields each batch's indices (``ReadAheadBatches``).
         collate_fn: turns what ``__getitems__`` returns into the batch.
         threads: threads reading batches (at least 1).
@@ -77,7 +78,9 @@ class ThreadedBatches:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def _load(self, indices: Any) -> Any:
-        batch = self.collate_fn(self.dataset.__getitems__(indices))
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        batch = self.collate_fn(samples)
         if self.batch_transform is not None:
             batch = self.batch_transform(batch)
         return _pin(batch) if self.pin_memory else batch

@@ -301,6 +301,8 @@ def fit(task: Task, settings: Settings) -> None:
             keys_log.flush()
         if done:
             break
+    if hasattr(loader, "close"):
+        loader.close()  # its reading threads, before the datasets they read close
     task.close()  # shard buffers go now, not during the interpreter's teardown
     log.close()
     # What holds the process group (the wrapped model, a sharded optimizer, the reference cycles

@@ -16,6 +16,7 @@ from precache.training.strategy import STRATEGIES
 __all__ = ["PRECISION_CHOICES", "Settings", "training_parser"]
 
 PRECISION_CHOICES = ("bf16", "fp16", "fp32", "auto")
+WORKER_KINDS = ("auto", "threads", "processes")
 _STRATEGY_HELP = {"ddp": "replicate the model", "zero": "ZeRO-1, shard the optimizer state",
                   "fsdp": "FSDP2, shard parameters, gradients and optimizer state",
                   "deepspeed_stage_2": "DeepSpeed ZeRO stage 2 (CUDA; pip install deepspeed)"}
@@ -34,6 +35,9 @@ class Settings:
         lr: the peak learning rate of the OneCycle schedule.
         clip: the maximum gradient norm (0: no clipping).
         workers: DataLoader workers per rank (None: ``loader_workers()``, from the cores).
+        worker_kind: ``auto``, ``threads`` or ``processes``: who reads the batches
+            (``make_loader``'s ``worker_kind``; auto: threads unless the dataset has a
+            per-sample Python transform).
         precision: ``bf16``, ``fp16`` (CUDA, with a GradScaler), ``fp32`` or ``auto``.
         strategy: ``ddp``, ``zero`` or ``fsdp`` (``precache.training.strategy``).
         compile: ``torch.compile`` the model.
@@ -53,6 +57,7 @@ class Settings:
     lr: float = 1e-3
     clip: float = 1.0
     workers: int | None = None
+    worker_kind: str = "auto"
     precision: str = "bf16"
     strategy: str = "ddp"
     compile: bool = False
@@ -67,6 +72,9 @@ class Settings:
         if self.precision not in PRECISION_CHOICES:
             raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, not "
                              f"{self.precision!r}")
+        if self.worker_kind not in WORKER_KINDS:
+            raise ValueError(f"worker_kind must be one of {', '.join(WORKER_KINDS)}, not "
+                             f"{self.worker_kind!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                              f"{self.strategy!r}")
@@ -112,6 +120,11 @@ def training_parser(description: str | None, *, out: str, lr: float, epochs: int
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers per rank (default: the rank's cores less one, <= 8)")
+    p.add_argument("--worker-kind", choices=WORKER_KINDS, default="auto",
+                   help="who reads the batches: threads of the training process (no process hop "
+                        "per batch; the cache's reads, JPEG decoding and batched augmentation "
+                        "release the GIL) or worker processes (per-sample Python transforms); "
+                        "auto: threads unless the dataset has a per-sample transform")
     p.add_argument("--precision", choices=PRECISION_CHOICES, default=precision,
                    help="autocast dtype; fp16 (CUDA only) uses a GradScaler; auto: bf16 on a GPU "
                         "that has it (else fp16), fp32 on a CPU without native bf16 (AVX512-BF16, "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from precache.loading import CachedDataset, loader_workers
+from precache.loading import CachedDataset, ThreadedBatches, loader_workers
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.text import TokenCollate
 from precache.training.loop import Run, Step, Task, TrainData
@@ -28,7 +28,7 @@ __all__ = ["BucketLoader", "TextClassification", "TextModel"]
 
 
 class BucketLoader:
-    """A DataLoader over a ``LengthBucketSampler`` with the calls ``fit`` makes of a loader; its
+    """A loader over a ``LengthBucketSampler`` with the calls ``fit`` makes of a loader; its
     positions are samples (each rank's batch holds ``batch_size`` of them), as a
     ``CacheLoader``'s are.
 
@@ -36,19 +36,37 @@ class BucketLoader:
         dataset: the training documents.
         sampler: their ``LengthBucketSampler``.
         collate: e.g. a ``TokenCollate``.
-        workers: DataLoader workers (None: ``loader_workers()``).
+        workers: loader workers (None: ``loader_workers()``).
         pin_memory: pin the batches (for a CUDA device).
+        worker_kind: ``threads`` (``ThreadedBatches``; the default for ``auto``: a cached batch
+            is one read per shard and ``TokenCollate`` pads it with a few NumPy calls, so the
+            GIL is held briefly and no batch is copied through shared memory) or
+            ``processes`` (DataLoader worker processes).
     """
 
     def __init__(self, dataset: Any, sampler: LengthBucketSampler, collate: Callable, *,
-                 workers: int | None, pin_memory: bool) -> None:
+                 workers: int | None, pin_memory: bool, worker_kind: str = "auto") -> None:
         workers = loader_workers() if workers is None else workers
+        if worker_kind not in ("auto", "threads", "processes"):
+            raise ValueError(f"worker_kind must be 'auto', 'threads' or 'processes', not "
+                             f"{worker_kind!r}")
         self.sampler = sampler
-        # worker processes: TokenCollate pads rows in Python, which would hold the GIL
-        self.num_workers, self.worker_kind = workers, "processes" if workers else "none"
-        self.loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                 num_workers=workers, pin_memory=pin_memory,
-                                 persistent_workers=workers > 0)
+        self.num_workers = workers
+        self.worker_kind = "none" if not workers else (
+            "threads" if worker_kind == "auto" else worker_kind)
+        self.loader: DataLoader | ThreadedBatches
+        if self.worker_kind == "threads":
+            self.loader = ThreadedBatches(dataset, sampler, collate, workers,
+                                          pin_memory=pin_memory)
+        else:
+            self.loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                     num_workers=workers, pin_memory=pin_memory,
+                                     persistent_workers=workers > 0)
+
+    def close(self) -> None:
+        """Stop the loader's threads (worker processes stop with the DataLoader)."""
+        if isinstance(self.loader, ThreadedBatches):
+            self.loader.close()
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -121,7 +139,7 @@ class TextClassification(Task):
         collate = TokenCollate(column="ids", pad_id=self.built.pad_id, multiple_of=8)
         sampler = LengthBucketSampler(lengths[train_idx], s.batch_size, seed=s.seed)
         loader = BucketLoader(Subset(self.docs, train_idx), sampler, collate, workers=s.workers,
-                              pin_memory=run.device.type == "cuda")
+                              pin_memory=run.device.type == "cuda", worker_kind=s.worker_kind)
         # every rank scores every world-th held-out document, in as many forward passes as every
         # other rank (fsdp gathers the parameters in each): short shares are padded, not scored
         share = -(-len(val_idx) // run.world_size)

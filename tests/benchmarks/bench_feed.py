@@ -86,7 +86,7 @@ pipeline = Pipeline(name="bench_feed", make_ops=make_ops, extensions=(".json",),
                     description="face-shaped rows for bench_feed (issue 25)")
 
 
-def build(work: Path, rows: int, size: int, codec: str) -> Path:
+def build(work: Path, rows: int, size: int, codec: str, workers: int = 2) -> Path:
     inputs = work / "inputs"
     if not inputs.exists():
         inputs.mkdir(parents=True)
@@ -94,7 +94,7 @@ def build(work: Path, rows: int, size: int, codec: str) -> Path:
             (inputs / f"{i:06d}.json").write_text(json.dumps({"seed": i, "rows": 16}))
     cache = work / f"cache-{codec}"
     summary = precache.run(str(Path(__file__).resolve()), inputs, cache,
-                           params={"size": size, "codec": codec}, workers=2, shard_rows=1024,
+                           params={"size": size, "codec": codec}, workers=workers, shard_rows=1024,
                            progress=False, log=lambda line: None)
     if summary.failed:
         raise RuntimeError(f"stage 1 failed: {summary.failures[:3]}")

@@ -48,8 +48,12 @@ def face_rows(sample: dict) -> list[dict]:
     return rows
 
 
-def make_ops() -> list[Op]:
-    return [FunctionOp(face_rows)]
+def make_ops(codec: str = "raw") -> list[Op]:
+    """``codec="jpeg"`` stores the images as JPEG, as ``--set image_codec=jpeg`` does."""
+    from precache.processing.ops.image import EncodeImage
+
+    return [FunctionOp(face_rows)] + ([EncodeImage(codec=codec, quality=95)] if codec != "raw"
+                                      else [])
 
 
 pipeline = Pipeline(name="clips", make_ops=make_ops, extensions=(".json",),

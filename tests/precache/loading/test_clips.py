@@ -34,14 +34,14 @@ LONGEST = {"fake/v01.json": 0, "fake/v02.json": 0, "fake/v03.json": 1, "real/v04
            "real/v05.json": 0, "real/v06.json": 1}
 
 
-def build(root: Path, videos: dict, format: str = "parquet") -> Path:
+def build(root: Path, videos: dict, format: str = "parquet", codec: str = "raw") -> Path:
     for key, (label, tracks) in videos.items():
         path = root / "in" / key
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"label": label,
                                     "tracks": {str(t): n for t, n in tracks.items()}}))
     build_cache(root / "in", root / "cache", pipeline=PIPELINE, workers=1, shard_rows=2,
-                format=format)
+                format=format, params={"codec": codec})
     return root / "cache"
 
 
@@ -277,6 +277,33 @@ def test_hdf5_caches_read_the_same(tmp_path):
     for i, item in enumerate(ds.__getitems__(range(6))):
         assert item["video"] == KEYS[i]
         check_item(item, 4)
+
+
+def test_jpeg_frames_travel_as_bytes_and_decode_as_clips(tmp_path):
+    """decode_images=False (what the trainers ask for on a GPU): each clip's frames are its
+    rows' JPEG bytes, and decode_images turns a batch of clips into (B, T, H, W, 3)."""
+    from precache.loading import decode_images, make_loader
+    from precache.loading.clips import ClipDataset, collate_clips
+
+    dataset = ClipDataset(build(tmp_path, VIDEOS, codec="jpeg"), frames=4, start="first",
+                          decode_images=False)
+    assert not dataset.decode_images and dataset.encoded_columns == ["image"]
+    loader = make_loader(dataset, batch_size=4, shuffle=False, num_workers=0,
+                         collate_fn=collate_clips)
+    loader.set_epoch(0)
+    batches = list(loader)
+    for batch in batches:
+        frames = batch["image"]
+        assert isinstance(frames, list) and all(len(clip) == 4 for clip in frames)
+        assert all(isinstance(row, np.ndarray) and row.dtype == np.uint8 and row[0] == 0xFF
+                   for clip in frames for row in clip)
+        images = decode_images(frames, "cpu").numpy()
+        assert images.shape == (len(frames), 4, 8, 8, 3)
+        for video, clip, indices in zip(batch["video"], images, batch["frame_index"]):
+            for image, frame in zip(clip, indices.tolist()):  # the longest track, by default
+                code = np.array(pixel_code(video, LONGEST[video], frame))
+                assert np.abs(image.astype(int) - code).max() <= 3  # JPEG q95 of a flat colour
+    assert sorted(v for b in batches for v in b["video"]) == KEYS
 
 
 def rank_main(cache: str, out: str) -> None:

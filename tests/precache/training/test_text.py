@@ -9,20 +9,24 @@ from itertools import islice
 
 import numpy as np
 
+import pytest
+
 from precache.loading.buckets import LengthBucketSampler
 from precache.training.text import BucketLoader
 
 
-def loaders(lengths: np.ndarray, world: int) -> list[BucketLoader]:
+def loaders(lengths: np.ndarray, world: int, workers: int) -> list[BucketLoader]:
     return [BucketLoader(list(range(len(lengths))),
                          LengthBucketSampler(lengths, 2, seed=0, rank=rank, world_size=world),
-                         lambda batch: batch, workers=0, pin_memory=False)
+                         lambda batch: batch, workers=workers, pin_memory=False)
             for rank in range(world)]
 
 
-def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_document_once():
+@pytest.mark.parametrize("workers", [0, 2])  # read in the loop; by 2 threads (auto's choice)
+def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_document_once(workers):
     lengths = np.random.default_rng(0).integers(1, 50, 30)
-    first = loaders(lengths, 3)
+    first = loaders(lengths, 3, workers)
+    assert {loader.worker_kind for loader in first} == {"threads" if workers else "none"}
     trained = []
     for loader in first:
         loader.set_epoch(0)
@@ -30,7 +34,7 @@ def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_docume
     state = first[0].state_dict(consumed=4)  # samples: 2 batches of 2
     assert state["done"] == [[3, 2, 2]] and state["epoch"] == 0
 
-    second = loaders(lengths, 2)
+    second = loaders(lengths, 2, workers)
     for loader in second:
         loader.load_state_dict(state)
         loader.set_epoch(0)  # keeps the resumed epoch
@@ -39,3 +43,5 @@ def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_docume
     assert set(counts) == set(range(30))
     # 18 left: 5 global batches of 2 ranks x 2, the last filled by repeating 2 documents
     assert sorted(counts.values()) == [1] * 28 + [2] * 2
+    for loader in first + second:
+        loader.close()

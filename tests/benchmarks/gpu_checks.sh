@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 25's GPU checks in one go on a CUDA machine with PyTorch (e.g. one H100; ~6 minutes):
+# the CUDA tests, bench_gpu.py (nvJPEG decode + FaceAugment at 224 px), and the data wait of the
+# MiniLM fine-tune and the video classifier with loader threads and with worker processes.
+#
+#   bash tests/benchmarks/gpu_checks.sh prepare     # here: caches and wheels into .gpu/
+#   bash tests/benchmarks/gpu_checks.sh run OUT     # there, from the repository's root
+#
+# `prepare` needs the dev install (.venv): it builds a text cache of data/make_corpus.py's
+# corpus and a video-faces cache (JPEG crops) of data/make_videos.py's videos, copies MiniLM's
+# config and tokenizer (not its weights: the machine may take little data along; `run` gives
+# the model random weights, which changes no step time) and downloads simplejpeg's wheel.
+# `run` installs that wheel, runs everything with precache from this folder on PYTHONPATH, and
+# writes logs and metrics under OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+G=.gpu
+
+prepare() {
+    set -e
+    mkdir -p "$G"
+    .venv/bin/python data/make_corpus.py --output "$G/corpus"
+    .venv/bin/precache run text --input "$G/corpus" --output "$G/textcache" -q
+    .venv/bin/python data/make_videos.py --output "$G/videos" --per-label 48 --seconds 2
+    .venv/bin/precache run video-faces -i "$G/videos" -o "$G/videocache" --set size=128 \
+        --set frames=32 --set image_codec=jpeg --set "labels=$G/videos_metadata.json" -q
+    rm -rf "$G/corpus" "$G/videos"
+    model=$(.venv/bin/python -c "from pipelines.text.finetune import default_model; print(default_model())")
+    mkdir -p "$G/minilm"
+    cp "$model"/{config.json,tokenizer.json,tokenizer_config.json,vocab.txt,special_tokens_map.json} "$G/minilm/"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$G/wheels" simplejpeg==1.9.0
+    du -sh "$G"
+}
+
+train() {  # name, script, args...: one training run, then precache doctor on it
+    local name=$1 script=$2
+    shift 2
+    echo "== $name"
+    timeout 150 python "$script" --out "$W/$name" "$@" >"$OUT/$name.log" 2>&1 || echo "FAILED $name: $(tail -3 "$OUT/$name.log")"
+    python -c "import sys; from precache.cli import main; sys.exit(main(sys.argv[1:]))" doctor "$W/$name" >"$OUT/$name.doctor.txt" 2>&1
+    cat "$OUT/$name.doctor.txt" | head -12
+    cp "$W/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+}
+
+run() {
+    OUT=$1
+    W=$(mktemp -d)
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$G"/wheels/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    nvidia-smi -L; nproc
+    python -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.get_device_name())"
+    echo "== CUDA tests"
+    timeout 120 python -m pytest -q -o addopts="" -p no:cacheprovider -k "cuda or gpu" \
+        tests/precache/augment/test_face_augment_cuda.py tests/precache/loading/test_threaded.py \
+        tests/precache/augment/test_volume.py 2>&1 | tail -5
+    echo "== bench_gpu"
+    timeout 200 python tests/benchmarks/bench_gpu.py --rows 20480 --size 224 --epochs 3 \
+        --keep "$W/faces" >"$OUT/bench_gpu.log" 2>&1; tail -8 "$OUT/bench_gpu.log"
+    train faces-threads pipelines/faces/train.py --cache "$W/faces/cache-jpeg" --epochs 2 \
+        --batch-size 256 --precision bf16 --workers 4 --timeline-every 5
+    python - <<'EOF'
+from transformers import AutoConfig, AutoModel
+folder = ".gpu/minilm"
+AutoModel.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+EOF
+    for kind in threads processes; do
+        train "finetune-$kind" pipelines/text/finetune.py --cache "$G/textcache" \
+            --model "$G/minilm" --epochs 3 --precision fp32 --workers 4 --worker-kind "$kind" \
+            --timeline-every 5
+        train "classifier-$kind" pipelines/faces/train_classifier.py --cache "$G/videocache" \
+            --epochs 8 --precision fp16 --workers 4 --worker-kind "$kind" --timeline-every 5
+    done
+    rm -rf "$W"
+}
+
+"$@"
