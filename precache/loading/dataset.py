@@ -19,7 +19,7 @@ fault at a time.
 place (``precache.cache.formats.variable``) are read the same way: each row is a slice of the
 mapped file (its shard's offsets checked against their checksum when the shard is opened). A
 batch that takes many rows of a shard reads them with a few NumPy calls a shard; one that
-takes a few rows of each of many shards, through this process's ``RowTable`` (two gathers and
+takes a few rows of each of many shards, through this process's ``RowTable`` (one gather and
 one slice a row, nothing a shard). Ragged rows leave a worker as one array and its row ends
 (``RaggedRows``); encoded images are decoded straight into one batch array.
 
@@ -390,13 +390,12 @@ class CachedDataset:
         row at a time: through this process's ``RowTable`` (one slice a row, nothing a shard)
         where their offsets were verified when opened, else ``_lists_by_row_reader``. ``None``
         if a shard holds one of them otherwise (an older cache): then they are read by shard."""
-        shard_ids = self._shard[indices]
         table = self._readers.row_table(("rows", *names), lambda: RowTable(
             names, [name in self._encoded for name in names], self._first, self._row))
-        if table.usable and (table.complete or table.ready[shard_ids].all()
-                             or self._fill(table, shard_ids)):
+        if table.usable and (table.complete or table.ready[self._shard[indices]].all()
+                             or self._fill(table, self._shard[indices])):
             self._mapped_read += int(table.row_bytes * len(indices))  # about
-            return table.read(indices, shard_ids)
+            return table.read(indices)
         return self._lists_by_row_reader(indices, names)
 
     def _fill(self, table: RowTable, shard_ids: np.ndarray) -> bool:

@@ -4,13 +4,15 @@ A shuffled batch of a large cache takes about one row from each shard it touches
 done once per shard (a reader lookup, a NumPy call) costs more than the row itself: with
 256-row shards a batch of 256 touches ~200 shards. Reading each row's offsets from its shard's
 mapped ``<name>__ends`` column costs too: two reads from a different file's page for every row.
-``RowTable`` therefore keeps, per column, where every row of the dataset starts and stops in
-its shard's values (two ``uint32`` a row, in this process's memory, filled from a shard's
-offsets the first time this process opens it), and a list, by shard number, of each open
-shard's values (a typed view or the bytes of the mapped file). A batch then costs two NumPy
-gathers and one slice a row, as a NumPy memmap of all values with an offsets array does.
-FFCV keeps such a table per process too (a pointer and a size a sample); the dataset's own
-index (shard and row of every index) already takes 12 bytes a row.
+``RowTable`` therefore keeps, per dataset row, one record of ``uint32``: the row's shard, then
+where it starts and stops in that shard's values for each column (filled from a shard's offsets
+the first time this process opens it), and a list, by shard number, of each open shard's values
+(a typed view or the bytes of the mapped file). A batch then costs one NumPy gather and one
+slice a row, as a NumPy memmap of all values with an offsets array does: a row's shard and
+bounds share a cache line, where separate arrays cost a cache miss each per row of a shuffled
+batch (three gathers took twice the limit's time in an epoch). FFCV keeps such a table per
+process too (a pointer and a size a sample); the dataset's own index (shard and row of every
+index) already takes 12 bytes a row.
 
 Only columns whose offsets were verified against their checksum when the shard was opened
 (``VariableColumn.verified``) are served here: their rows need no check of their own. Shards
@@ -60,8 +62,8 @@ class RowTable:
         self.complete = shards == 0  # every shard ready: a batch needs no check of its shards
         self._filled = np.zeros(shards, dtype=bool)  # bounds written (they outlive a close)
         self.usable = True
-        self._starts = [np.zeros(len(rows), dtype=np.uint32) for _ in self.names]
-        self._stops = [np.zeros(len(rows), dtype=np.uint32) for _ in self.names]
+        # per row: shard, then (start, stop) per column (see the module docstring)
+        self._bounds = np.zeros((len(rows), 1 + 2 * len(self.names)), dtype=np.uint32)
         self._values: list[list[Any]] = [[None] * shards for _ in self.names]
         self._finish: list[Any] = [None] * len(self.names)
         self._bytes_sum, self._count = 0.0, 0
@@ -85,9 +87,10 @@ class RowTable:
             if not self._filled[shard]:
                 rows = self._rows[lo:hi]
                 heads = np.where(rows > 0, column.ends[rows - 1], 0)  # row 0 starts the run
-                self._starts[k][lo:hi] = (heads + PREFIX) >> shift
-                self._stops[k][lo:hi] = column.ends[rows] >> shift
+                self._bounds[lo:hi, 1 + 2 * k] = (heads + PREFIX) >> shift
+                self._bounds[lo:hi, 2 + 2 * k] = column.ends[rows] >> shift
             self._values[k][shard], self._finish[k] = values, finish
+        self._bounds[lo:hi, 0] = shard
         self._filled[shard] = True
         self._bytes_sum += sum(column.row_bytes for column in columns if column is not None)
         self._count += 1
@@ -107,15 +110,15 @@ class RowTable:
             for values in self._values:
                 values[shard] = None
 
-    def read(self, indices: np.ndarray, shards: np.ndarray) -> dict[str, list[Any]]:
-        """Each column's values of dataset rows ``indices`` (whose shards are ``shards``), in
-        that order. Every one of those shards must be ``ready``."""
+    def read(self, indices: np.ndarray) -> dict[str, list[Any]]:
+        """Each column's values of dataset rows ``indices``, in that order. Every shard of
+        those rows must be ``ready``."""
+        bounds = np.ascontiguousarray(self._bounds[indices].T).tolist()  # one gather
+        which = bounds[0]
         out = {}
-        which = shards.tolist()
         for k, name in enumerate(self.names):
-            starts, stops = self._starts[k][indices].tolist(), self._stops[k][indices].tolist()
             values = self._values[k]
-            got = [values[s][a:b] for s, a, b in zip(which, starts, stops)]
+            got = [values[s][a:b] for s, a, b in zip(which, bounds[1 + 2 * k], bounds[2 + 2 * k])]
             finish = self._finish[k]
             out[name] = got if finish is None else [finish(value) for value in got]
         return out
