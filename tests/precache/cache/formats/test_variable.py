@@ -381,3 +381,40 @@ def test_a_dataset_refuses_a_shard_whose_offsets_were_damaged(ragged_cache, tmp_
                                          "differs from the checksum"):
         dataset.read_batch([0, 20, 40])  # row 40 lies in shard 2
     dataset.close()
+
+
+def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_same(
+        ragged_cache, monkeypatch):
+    import resource
+
+    import precache.loading.dataset as dataset_module
+
+    truth = read_truth(ragged_cache)
+    keys = precache.Cache(ragged_cache).read_all(["key"])["key"]
+    dataset = CachedDataset(ragged_cache, columns=["key", "ids"])
+    dataset.read_batch(list(range(60)))  # opens every shard: the table is complete
+    dataset._faulting = False  # (the test's own files may have been read from disk)
+    gathered = []
+    real_gather = dataset._gather
+    monkeypatch.setattr(dataset, "_gather", lambda *a: gathered.append(1) or real_gather(*a))
+    order = [59, 0, -1, 20, 20, -60, 33]
+    check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
+    assert gathered == []  # one table read, not _gather
+    with pytest.raises(IndexError, match="out of range for a cache of 60 rows"):
+        dataset.read_batch([0, 60])
+    # pages read from disk after a batch returned (its rows are views) make the next batch
+    # take the general path, which reads ahead
+    faults = iter(range(10**6, 10**7, 7))
+    real = resource.getrusage
+
+    class Usage:
+        def __init__(self) -> None:
+            self.ru_majflt = next(faults)
+
+    monkeypatch.setattr(dataset_module.resource, "getrusage", lambda who: Usage())
+    dataset.read_batch([1, 2])
+    assert dataset._faulting
+    check_batch(dataset.read_batch([3, 40]), truth, [keys[i] for i in (3, 40)])
+    assert gathered == [1]
+    monkeypatch.setattr(dataset_module.resource, "getrusage", real)
+    dataset.close()
