@@ -645,7 +645,7 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
     def record(reader: str, shard_rows: Any, workers: int, run: Callable[[], dict],
                uss_base: int) -> None:
         say(f"{workload}: {reader}" + (f" shard_rows={shard_rows}" if shard_rows else "")
-            + f", workers={workers}")
+            + f", workers={workers}" + (f", round {round_ + 1}" if args.rounds > 1 else ""))
         try:
             result = run()
         except Exception as error:  # noqa: BLE001 - one reader failing must not hide the rest
@@ -654,70 +654,106 @@ def run_workload(workload: str, rows: int, args: argparse.Namespace, work: Path,
                           "workers": workers, "skipped": f"{type(error).__name__}: {error}"})
             return
         result.update(workload=workload, reader=reader, shard_rows=shard_rows, workers=workers,
-                      uss_of=uss_base)
+                      uss_of=uss_base, round=round_)
         table.append(result)
         say(f"{workload}:   epoch 1 {result['cold']:,.0f}/s, epoch 2 {result['warm']:,.0f}/s"
             + (f", USS {result['uss'] / 1e6:,.0f} MB" if workers or ranks > 1 else ""))
 
     ranks = args.ranks
-    for workers in args.workers:
-        if "limit" in readers:
-            def open_limit(rank: int = 0, world: int = 1) -> tuple[Any, Callable[[], None]]:
-                return (torch_loader(MemmapRows(source, workload), workers, rank, world),
-                        lambda: None)
-            record("limit", "", workers, lambda: measure(
-                [source / "values.npy", source / "offsets.npy"], open_limit, workload, workers,
-                args.max_batches, ranks), info["cache_bytes"])
-        for shard_rows, cache in caches.items():
-            cache_bytes = info["bytes"][f"precache shard_rows={shard_rows}"]
-            for reader in ("precache", "budget"):
-                if reader not in readers:
-                    continue
-                budget = cache_bytes // 20 if reader == "budget" else 1 << 30
+    for round_ in range(args.rounds):  # interleaved: every reader once a round
+        for workers in args.workers:
+            if "limit" in readers:
+                def open_limit(rank: int = 0, world: int = 1) -> tuple[Any, Callable[[], None]]:
+                    return (torch_loader(MemmapRows(source, workload), workers, rank, world),
+                            lambda: None)
+                record("limit", "", workers, lambda: measure(
+                    [source / "values.npy", source / "offsets.npy"], open_limit, workload, workers,
+                    args.max_batches, ranks), info["cache_bytes"])
+            for shard_rows, cache in caches.items():
+                cache_bytes = info["bytes"][f"precache shard_rows={shard_rows}"]
+                for reader in ("precache", "budget"):
+                    if reader not in readers:
+                        continue
+                    budget = cache_bytes // 20 if reader == "budget" else 1 << 30
 
-                def open_precache(rank: int = 0, world: int = 1, cache: Path = cache,
-                                  budget: int = budget) -> tuple[Any, Any]:
-                    from precache.loading import CachedDataset, make_loader
+                    def open_precache(rank: int = 0, world: int = 1, cache: Path = cache,
+                                      budget: int = budget) -> tuple[Any, Any]:
+                        from precache.loading import CachedDataset, make_loader
 
-                    dataset = CachedDataset(cache, columns=[column], max_decoded_bytes=budget)
-                    return (make_loader(dataset, BATCH, shuffle=True, num_workers=workers,
-                                        rank=rank, world_size=world), dataset.close)
+                        dataset = CachedDataset(cache, columns=[column], max_decoded_bytes=budget)
+                        return (make_loader(dataset, BATCH, shuffle=True, num_workers=workers,
+                                            rank=rank, world_size=world), dataset.close)
 
-                from precache.cli.bench.measure import shard_paths
+                    from precache.cli.bench.measure import shard_paths
 
-                record(reader, shard_rows, workers, lambda: measure(
-                    shard_paths(str(cache)), open_precache, workload, workers,
-                    args.max_batches, ranks), cache_bytes)
-        if ranks > 1 and ("litdata" in readers or "hf" in readers):
-            say(f"{workload}: LitData and HF are not run with --ranks")
-            continue
-        if "litdata" in readers:
-            if litdata_skip is not None:
-                table.append({"workload": workload, "reader": "litdata", "shard_rows": "",
-                              "workers": workers, "skipped": litdata_skip})
-            else:
-                def open_litdata() -> tuple[Any, Callable[[], None]]:
-                    from litdata import StreamingDataLoader, StreamingDataset
+                    record(reader, shard_rows, workers, lambda: measure(
+                        shard_paths(str(cache)), open_precache, workload, workers,
+                        args.max_batches, ranks), cache_bytes)
+            if ranks > 1 and ("litdata" in readers or "hf" in readers):
+                say(f"{workload}: LitData and HF are not run with --ranks")
+                continue
+            if "litdata" in readers:
+                if litdata_skip is not None:
+                    table.append({"workload": workload, "reader": "litdata", "shard_rows": "",
+                                  "workers": workers, "skipped": litdata_skip})
+                else:
+                    def open_litdata() -> tuple[Any, Callable[[], None]]:
+                        from litdata import StreamingDataLoader, StreamingDataset
 
-                    dataset = StreamingDataset(str(lit_dir), shuffle=True, seed=0)
-                    collate = (litdata_collate_tokens if workload == "tokens"
-                               else litdata_collate_jpeg)
-                    options = dict(persistent_workers=True, worker_init_fn=_pin) if workers else {}
-                    return StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers,
-                                               collate_fn=collate, **options), lambda: None
-                record("litdata", "", workers, lambda: measure(
-                    folder_files(lit_dir), open_litdata, workload, workers, args.max_batches),
+                        dataset = StreamingDataset(str(lit_dir), shuffle=True, seed=0)
+                        collate = (litdata_collate_tokens if workload == "tokens"
+                                   else litdata_collate_jpeg)
+                        options = (dict(persistent_workers=True, worker_init_fn=_pin)
+                                   if workers else {})
+                        return StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers,
+                                                   collate_fn=collate, **options), lambda: None
+                    record("litdata", "", workers, lambda: measure(
+                        folder_files(lit_dir), open_litdata, workload, workers, args.max_batches),
+                        info["cache_bytes"])
+            if "hf" in readers:
+                def open_hf() -> tuple[Any, Callable[[], None]]:
+                    return torch_loader(HFRows(hf_dir, workload), workers), lambda: None
+                record("hf", "", workers, lambda: measure(
+                    folder_files(hf_dir), open_hf, workload, workers, args.max_batches),
                     info["cache_bytes"])
-        if "hf" in readers:
-            def open_hf() -> tuple[Any, Callable[[], None]]:
-                return torch_loader(HFRows(hf_dir, workload), workers), lambda: None
-            record("hf", "", workers, lambda: measure(
-                folder_files(hf_dir), open_hf, workload, workers, args.max_batches),
-                info["cache_bytes"])
-    return table, info
+    return combine(table, args.rounds), info
 
 
 # --- report -----------------------------------------------------------------------------------
+
+
+def combine(table: list[dict], rounds: int) -> list[dict]:
+    """With ``--rounds`` > 1, one row per reader: the median of each measure over the rounds,
+    and ``cold_ratio`` / ``warm_ratio``, the median of each round's ratio to that round's limit
+    (the machine's load changes between rounds, not within one). A reader that failed in
+    any round shows its first failure."""
+    if rounds <= 1:
+        return table
+    limits = {(r["workload"], r["workers"], r["round"]): r for r in table
+              if r["reader"] == "limit" and "skipped" not in r}
+    out: dict[tuple, list[dict]] = {}
+    for r in table:
+        out.setdefault((r["workload"], r["reader"], r["shard_rows"], r["workers"]), []).append(r)
+    merged = []
+    for runs in out.values():
+        failed = [r for r in runs if "skipped" in r]
+        if failed:
+            merged.append(failed[0])
+            continue
+        row = dict(runs[0])
+        for key in ("cold", "warm", "first", "uss", "uss_files"):
+            if key in row:
+                row[key] = float(np.median([r[key] for r in runs]))
+        for key in ("cold", "warm"):
+            ratios = [r[key] / limits[(r["workload"], r["workers"], r["round"])][key]
+                      for r in runs if (r["workload"], r["workers"], r["round"]) in limits]
+            if ratios:
+                row[f"{key}_ratio"] = float(np.median(ratios))
+                row[f"{key}_ratios"] = [round(x, 3) for x in ratios]
+        row["sums"] = [s for r in runs for s in r["sums"]]
+        merged.append(row)
+    return merged
+
 
 
 def check(row: dict, limit: dict | None, rows: int, cut: bool) -> str:
@@ -748,7 +784,9 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
                  "ratios to the limit with the same workers in this run"
                  + (f"; {args.ranks} ranks on this node, all ranks' samples/s, USS of the ranks "
                     "and their workers" if args.ranks > 1 else "")
-                 + (f"; epochs cut after {args.max_batches} batches" if args.max_batches else ""))
+                 + (f"; epochs cut after {args.max_batches} batches" if args.max_batches else "")
+                 + (f"; medians of {args.rounds} interleaved rounds (ratios: the median of each "
+                    "round's ratio)" if args.rounds > 1 else ""))
     header = (f"{'workload':<8} {'reader':<9} {'shards':>6} {'wk':>2} {'epoch 1 cold':>13} "
               f"{'/limit':>6} {'epoch 2 warm':>13} {'/limit':>6} {'workers USS (files)':>26} "
               f"{'1st batch':>9} check")
@@ -763,8 +801,8 @@ def report(table: list[dict], infos: list[dict], args: argparse.Namespace) -> st
             lines.append(lead + f"skipped: {r['skipped']}")
             continue
         limit = limits.get((r["workload"], r["workers"]))
-        cold_ratio = f"{r['cold'] / limit['cold']:.2f}" if limit else "-"
-        warm_ratio = f"{r['warm'] / limit['warm']:.2f}" if limit else "-"
+        cold_ratio = f"{r.get('cold_ratio', r['cold'] / limit['cold']):.2f}" if limit else "-"
+        warm_ratio = f"{r.get('warm_ratio', r['warm'] / limit['warm']):.2f}" if limit else "-"
         uss = (f"{r['uss'] / 1e6:,.0f} MB {r['uss'] / r['uss_of']:4.0%} "
                f"({r['uss_files'] / r['uss_of']:4.0%})" if r["workers"] or r.get("ranks")
                else "-")
@@ -817,6 +855,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep what this run built")
     parser.add_argument("--reuse", action="store_true",
                         help="use files an earlier --keep run left in --dir")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every reader this many times, in turn, and report medians "
+                        "(each round: a cold and a warm epoch of each reader)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
