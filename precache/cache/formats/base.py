@@ -163,6 +163,11 @@ class ShardReader(ABC):
         """Hint that ``rows`` of the mapped ``columns`` will be read soon (read-ahead).
         Default: no hint."""
 
+    def will_open(self) -> None:
+        """Hint that ``mapped`` will be called soon: ask the kernel for the parts of the file it
+        reads besides the end (returns at once), so that opening many shards of a cold cache
+        waits on the disk once for all of them. Default: no hint."""
+
     def release_pages(self) -> None:
         """Unmap the mapped pages this process has touched (``madvise(MADV_DONTNEED)``): they
         stay in the page cache for every process, but no longer count as this process's

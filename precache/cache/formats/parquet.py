@@ -387,6 +387,27 @@ class ParquetShardReader(ShardReader):
             self._views = views
         return self._views
 
+    def will_open(self) -> None:
+        """Ask for the page of each column chunk's header that ``mapped`` checks (from the
+        footer: ``madvise(MADV_WILLNEED)``, which returns at once). A variable-length column's
+        header sits before its values, far from the file's end: on a cold disk opening a shard
+        waited for it, one shard after another."""
+        if self._views is not None:
+            return
+        file = self._open()
+        meta = file.metadata
+        if meta.num_row_groups != 1 or self._map is None:
+            return
+        wanted = {*self.schema, *(ends_column(n) for n, spec in self.schema.items()
+                                  if spec.kind in VARIABLE_KINDS)}
+        group, size = meta.row_group(0), len(self._map)
+        for j in range(meta.num_columns):
+            column = group.column(j)
+            start = column.data_page_offset
+            if column.path_in_schema in wanted and 0 <= start < size:
+                aligned = start - start % mmap.PAGESIZE
+                self._map.madvise(mmap.MADV_WILLNEED, aligned, min(size, start + 64) - aligned)
+
     def variable(self) -> dict[str, VariableColumn]:
         """The variable-length columns read in place from the mapped file (see the module
         docstring); others of them are decoded by ``read``."""

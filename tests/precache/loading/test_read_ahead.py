@@ -183,3 +183,43 @@ def test_released_pages_leave_this_process_but_reads_stay_right(cache):
     for _ in range(2):
         np.testing.assert_array_equal(released.read_batch(order)["image"], everything[order])
         assert _mapped_kb(paths) < 48 * 12 / 4
+
+
+def test_a_batch_asks_for_the_page_headers_of_all_its_shards_before_mapping_one(
+        cache, monkeypatch):
+    import mmap
+
+    from precache.cache.formats.parquet import ParquetShardReader
+
+    calls = []
+    will_open, mapped = ParquetShardReader.will_open, ParquetShardReader.mapped
+    monkeypatch.setattr(ParquetShardReader, "will_open",
+                        lambda self: calls.append(("will_open", self.path)) or will_open(self))
+    monkeypatch.setattr(ParquetShardReader, "mapped", lambda self: (
+        calls.append(("mapped", self.path)) if self._views is None else None) or mapped(self))
+    dataset = CachedDataset(cache, columns=["image"])  # opens shard 0 to look at it
+    calls.clear()
+    dataset.read_batch([17, 40, 33, 20])  # shards 1 and 2
+    paths = {str(precache.Cache(cache).shard_path(i)) for i in (1, 2)}
+    assert {str(p) for _, p in calls} == paths
+    assert [kind for kind, _ in calls] == ["will_open"] * 2 + ["mapped"] * 2
+    dataset.close()
+
+    class Spy(mmap.mmap):  # records what is asked of the kernel
+        asked: list = []
+
+        def madvise(self, *args):
+            Spy.asked.append(args)
+            return super().madvise(*args)
+
+    reader = precache.Cache(cache).reader(1, columns=["image"])
+    with open(reader.path, "rb") as file:
+        reader._map = Spy(file.fileno(), 0, prot=mmap.PROT_READ)
+    reader.will_open()
+    meta = reader._open().metadata.row_group(0)
+    (start,) = [meta.column(j).data_page_offset for j in range(meta.num_columns)
+                if meta.column(j).path_in_schema == "image"]
+    assert [(a, at) for a, at, _ in Spy.asked] == [
+        (mmap.MADV_WILLNEED, start - start % mmap.PAGESIZE)]
+    assert reader.mapped()["image"].shape[1:] == (64, 64, 3)  # and it maps as before
+    reader.close()
