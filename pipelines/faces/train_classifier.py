@@ -30,7 +30,7 @@ from torch.utils.data import Subset
 from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_nchw,
-                              decode_images, make_loader)
+                              collate_clips, decode_images, make_loader)
 from precache.loading.image_decode import decodes_on
 from precache.processing.ops.labels import Labels
 from precache.training.landmarks import AUGMENT_COLUMNS
@@ -132,8 +132,9 @@ class VideoClassification(Task):
             print(f"{total} videos ({len(skipped)} without faces): {total - len(self.truth)} "
                   f"train, {len(self.truth)} validation; classes {self.classes}, positive "
                   f"{positive!r}", flush=True)
+        # collate_clips: a clip's frames of JPEG bytes stay one list per clip
         loader = make_loader(Subset(self.train_set, train_items), s.batch_size,
-                             num_workers=s.workers, seed=s.seed,
+                             num_workers=s.workers, seed=s.seed, collate_fn=collate_clips,
                              worker_kind=s.worker_kind)
         return TrainData(loader, len(train_items), columns)
 

@@ -36,27 +36,27 @@ def apply_torch(batch: dict[str, Any], draws: FaceDraws,
     matrices = geometry_matrices(draws, width, height)
     affine = np.flatnonzero(draws.affine)
     if len(affine):
-        index = torch.as_tensor(affine, device=device)
+        index = _on(affine, device)
         out[index] = _warp(out[index], matrices[affine])
     flip = np.flatnonzero(draws.flip & ~draws.affine)
     if len(flip):
-        index = torch.as_tensor(flip, device=device)
+        index = _on(flip, device)
         out[index] = out[index].flip(2)
     colour = np.flatnonzero(draws.color | draws.hue_sat)
     if len(colour):
-        index = torch.as_tensor(colour, device=device)
-        m = torch.as_tensor(colour_matrices(draws)[colour], device=device)
+        index = _on(colour, device)
+        m = _on(colour_matrices(draws)[colour], device)
         x = out[index].reshape(len(colour), -1, 3).float()
         y = torch.baddbmm(m[:, None, :, 3], x, m[:, :, :3].transpose(1, 2))
         out[index] = _to_uint8(y).view(-1, height, width, 3)
     blur = np.flatnonzero(draws.blur)
     if len(blur):
-        index = torch.as_tensor(blur, device=device)
+        index = _on(blur, device)
         out[index] = _to_uint8(_blur(out[index].float(), draws.blur_sigma[blur]))
     holes = np.flatnonzero(draws.hole_on.any(axis=1))
     if len(holes):
-        index = torch.as_tensor(holes, device=device)
-        boxes = torch.as_tensor(hole_boxes(draws, width, height)[holes], device=device)
+        index = _on(holes, device)
+        boxes = _on(hole_boxes(draws, width, height)[holes], device)
         out[index] = out[index].masked_fill(_box_masks(boxes, height, width)[..., None], 0)
     result = dict(batch)
     result["image"] = out
@@ -91,8 +91,8 @@ def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
     regions, sizes = batch["regions"], batch["region_sizes"]
     has_mesh = batch.get("has_mesh")
     has_mesh = (torch.ones(n, dtype=torch.bool, device=device) if has_mesh is None
-                else torch.as_tensor(has_mesh, device=device).reshape(n).bool())
-    rows = torch.as_tensor(list(region_rows), device=device)
+                else _on(has_mesh, device).reshape(n).bool())
+    rows = _on(list(region_rows), device)
     present = (sizes[:, rows] >= 3) & has_mesh[:, None]  # (n, S)
     count = present.sum(dim=1)
     cumulative = present.cumsum(dim=1)
@@ -100,15 +100,15 @@ def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
         on = np.flatnonzero(draws.region_on[:, step])
         if not len(on):
             continue
-        index = torch.as_tensor(on, device=device)
-        pick = torch.as_tensor(draws.region_pick[on, step], device=device, dtype=torch.float64)
+        index = _on(on, device)
+        pick = _on(draws.region_pick[on, step], device, torch.float64)
         k = torch.minimum((pick * count[index]).floor(), count[index] - 1)
         row = rows[(cumulative[index] > k[:, None]).int().argmax(dim=1)]
         mask = polygon_masks(regions[index, row], height, width) & (count[index] > 0)[:, None, None]
         x = out[index].float()
         if step == 0:
-            gain = torch.as_tensor(draws.region_gain[on], device=device, dtype=torch.float32)
-            bias = torch.as_tensor(draws.region_bias[on], device=device, dtype=torch.float32)
+            gain = _on(draws.region_gain[on], device, torch.float32)
+            bias = _on(draws.region_bias[on], device, torch.float32)
             edited = _to_uint8(x * gain[:, None, None] + bias[:, None, None])
         elif step == 1:
             edited = _to_uint8(_blur(x, draws.region_sigma[on]))
@@ -117,7 +117,7 @@ def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
             for j, i in enumerate(on.tolist()):
                 fill[j] = (occlusion_noise(int(draws.noise_seed[i]), height, width)
                            if draws.occlude_noise[i] else draws.occlude_colour[i])
-            edited = torch.as_tensor(fill, device=device)
+            edited = _on(fill, device)
         out[index] = torch.where(mask[..., None], edited, out[index])
 
 
@@ -127,7 +127,7 @@ def _warp(images: torch.Tensor, matrices: np.ndarray) -> torch.Tensor:
     point rounded to 1/32 pixel, sums rounded half up), so both forms agree to the grey level."""
     m, height, width = images.shape[:3]
     device = images.device
-    inverse = torch.as_tensor(_cv2_inverse(matrices), device=device)  # (m, 2, 3) float64
+    inverse = _on(_cv2_inverse(matrices), device)  # (m, 2, 3) float64
     xs = torch.arange(width, device=device, dtype=torch.float64)
     ys = torch.arange(height, device=device, dtype=torch.float64)
     axes = []
@@ -163,7 +163,7 @@ def _blur(x: torch.Tensor, sigmas: np.ndarray) -> torch.Tensor:
     weights = np.zeros((m, 2 * radius + 1))
     for i, k in enumerate(kernels):
         weights[i, radius - len(k) // 2: radius + len(k) // 2 + 1] = k
-    w = torch.as_tensor(weights, device=x.device, dtype=torch.float32).repeat_interleave(3, dim=0)
+    w = _on(weights, x.device, torch.float32).repeat_interleave(3, dim=0)
     planes = F.pad(x.permute(0, 3, 1, 2).reshape(1, m * 3, height, width),
                    (radius,) * 4, mode="reflect")
     planes = F.conv2d(planes, w[:, None, :, None], groups=m * 3)
@@ -188,8 +188,8 @@ def _move_points(batch: dict[str, Any], matrices: np.ndarray, flip: np.ndarray,
     if not keys:
         return out
     device = batch[keys[0]].device
-    m = torch.as_tensor(matrices, device=device)
-    flipped = torch.as_tensor(flip, device=device)
+    m = _on(matrices, device)
+    flipped = _on(flip, device)
     for key in keys:
         values = batch[key]
         if key != "region_sizes":
@@ -199,11 +199,23 @@ def _move_points(batch: dict[str, Any], matrices: np.ndarray, flip: np.ndarray,
             values = torch.stack([row[0] * x + row[1] * y + row[2],
                                   row[3] * x + row[4] * y + row[5]], dim=-1)
         if flip.any():
-            order = torch.as_tensor(FLIPS[key], device=device)
+            order = _on(FLIPS[key], device)
             where = flipped.view((-1,) + (1,) * (values.dim() - 1))
             values = torch.where(where, values[:, order], values)
         out[key] = values
     return out
+
+
+def _on(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a NumPy array, a list) as a tensor on ``device``. To a GPU the copy is made
+    from page-locked memory without waiting: a plain copy from pageable memory synchronises
+    with the device, and a batch makes about twenty of them (indices, matrices, kernels)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device, dtype)
+    tensor = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _to_uint8(x: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,8 @@ __all__ = ["ThreadedBatches"]
 def _pin(batch: Any) -> Any:
     """The batch with its tensors in page-locked memory (a thread may pin: the copy to the GPU
     is then asynchronous), leaving other values as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
+    if isinstance(batch, torch.Tensor):  # one a batch_transform put on the GPU stays there
+        return batch.pin_memory() if batch.device.type == "cpu" else batch
     if isinstance(batch, dict):
         return {name: _pin(value) for name, value in batch.items()}
     if isinstance(batch, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in batch):

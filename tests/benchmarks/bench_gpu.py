@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +64,26 @@ def readers(cache: Path, device: torch.device, threads: int) -> dict[str, Callab
     encoded_set = CachedDataset(cache, columns=COLUMNS, decode_images=False)
     encoded = make_loader(encoded_set, BATCH, num_workers=threads, worker_kind="threads")
 
+    def on_device(augment: FaceAugment | None) -> Callable[[dict], dict]:
+        def transform(batch: dict) -> dict:
+            batch = to_device(batch, device)
+            batch["image"] = decode_images(batch["image"], device)
+            return augment(batch) if augment is not None else batch
+        return transform
+
+    in_threads = make_loader(encoded_set, BATCH, num_workers=threads, worker_kind="threads",
+                             batch_transform=on_device(FaceAugment(seed=1)))
+
+    def read_only(epoch: int):
+        encoded.set_epoch(epoch)
+        for batch in encoded:
+            yield batch["label"]
+
+    def threads_on_device(epoch: int):
+        in_threads.set_epoch(epoch)
+        for batch in in_threads:
+            yield normalised(batch["image"])
+
     def cpu(epoch: int):
         decoded.set_epoch(epoch)
         for batch in decoded:
@@ -79,7 +100,61 @@ def readers(cache: Path, device: torch.device, threads: int) -> dict[str, Callab
 
     return {f"cpu: {threads} threads decode + augment (OpenCV), then copy": cpu,
             f"gpu decode ({threads} threads read the bytes)": lambda e: gpu(e, None),
-            "gpu decode + augment (torch form)": lambda e: gpu(e, gpu_augment)}
+            "gpu decode + augment (torch form)": lambda e: gpu(e, gpu_augment),
+            f"gpu decode + augment, in the {threads} loader threads": threads_on_device,
+            f"read the bytes only ({threads} threads, no decode)": read_only}
+
+
+def parts(cache: Path, device: torch.device, profile: bool) -> None:
+    """Decode alone and augment alone, on batches already in memory (no loader), and a
+    profile of the augmentation's operations."""
+    dataset = CachedDataset(cache, columns=COLUMNS, decode_images=False)
+    batches = [dataset.read_batch(list(range(i, len(dataset), 37))[:BATCH]) for i in range(8)]
+    for batch in batches:
+        batch["image"] = list(batch["image"])
+    augment = FaceAugment(seed=1)
+
+    def timed(name: str, work: Callable[[dict], Any], inputs: list[dict]) -> None:
+        for batch in inputs[:2]:
+            work(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            for batch in inputs:
+                work(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rate = 3 * len(inputs) * BATCH / (time.perf_counter() - start)
+        print(f"part: {name}: {rate:,.0f}/s", flush=True)
+
+    timed("decode only (decode_images, batches in memory)",
+          lambda b: decode_images(b["image"], device), batches)
+    on_device = []
+    for batch in batches:
+        moved = {k: torch.as_tensor(np.asarray(v)).to(device) for k, v in batch.items()
+                 if k != "image"}
+        moved["image"] = decode_images(batch["image"], device)
+        on_device.append(moved)
+    timed("augment only (FaceAugment on decoded batches)", augment, on_device)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                               if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for batch in on_device:
+                augment(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=14), flush=True)
+        with torch_profile(activities=activities) as prof:
+            for batch in batches:
+                decode_images(batch["image"], device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8), flush=True)
 
 
 def run_reader(epochs: Callable[[int], Any], rows: int, number: int, device: torch.device) -> float:
@@ -104,6 +179,8 @@ def main() -> None:
                         help="loader threads (default: the cores less one, at most 8)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also time decode and augment alone, and profile their operations")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="write the cache into DIR and keep it (e.g. to train on it)")
     args = parser.parse_args()
@@ -116,6 +193,8 @@ def main() -> None:
         cache = build(work, args.rows, args.size, "jpeg", workers=os.cpu_count() or 2)
         print(f"stage 1: {args.rows:,} JPEG crops of {args.size} px in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
+        if args.profile:
+            parts(cache, device, profile=True)
         named = readers(cache, device, threads)
         rates: dict[str, list[float]] = {name: [] for name in named}
         for name, epochs in named.items():  # warm: page cache, threads, nvJPEG handles
