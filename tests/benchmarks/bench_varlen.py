@@ -162,6 +162,7 @@ def write_source(workload: str, rows: int, folder: Path) -> dict[str, Path]:
 
 _SOURCES: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per process: folder -> memmaps
 RECORD_ROWS = [1]  # rows per stage-1 record of this run's token workload
+WARM_EPOCHS = [1]  # warm epochs after each cold one (--warm-epochs; their median is reported)
 
 
 def _source(folder: str) -> tuple[np.ndarray, np.ndarray]:
@@ -528,7 +529,8 @@ def measure(files: list[Path], open_loader: Callable[..., tuple[Any, Callable[[]
     loader, close = open_loader()
     try:
         cold, sums1, first = run_epoch(loader, 0, workload, max_batches, opened)
-        warm, sums2, _ = run_epoch(loader, 1, workload, max_batches)
+        warms = [run_epoch(loader, 1 + k, workload, max_batches) for k in range(WARM_EPOCHS[0])]
+        warm, sums2 = float(np.median([w[0] for w in warms])), warms[-1][1]
         uss, uss_files = workers_uss(loader) if workers else (0, 0)
     finally:
         shutdown(loader)
@@ -855,6 +857,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep what this run built")
     parser.add_argument("--reuse", action="store_true",
                         help="use files an earlier --keep run left in --dir")
+    parser.add_argument("--warm-epochs", type=int, default=1,
+                        help="warm epochs after each cold one, their median reported (one "
+                        "process, torch DataLoader or make_loader: --ranks runs one)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every reader this many times, in turn, and report medians "
                         "(each round: a cold and a warm epoch of each reader)")
@@ -864,6 +869,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    WARM_EPOCHS[0] = max(1, args.warm_epochs)
     multiprocessing.set_start_method("fork", force=True)  # the DataLoaders' workers
     temporary = args.dir is None or not args.dir.exists()  # then all of it is this run's
     work = Path(tempfile.mkdtemp(prefix="bench-varlen-")) if args.dir is None else args.dir
