@@ -178,3 +178,28 @@ def test_crops_decoded_on_the_gpu_match_the_cpu(cache):
     assert on_gpu.device.type == "cuda" and on_gpu.shape[1:] == (16, 16, 3)
     difference = (on_gpu.cpu().int() - decode_images(rows, "cpu").int()).abs()
     assert difference.float().mean() < 1.0  # nvJPEG's IDCT may differ by a grey level
+
+
+def test_the_gpu_decoders_batch_keeps_row_order_with_webp_rows_among_jpeg_ones(cache):
+    """decode_images' GPU path assembles nvJPEG's CHW images and the WebP rows it leaves to the
+    CPU in row order; here a CPU decoder of the same API (libjpeg-turbo) stands in for nvJPEG."""
+    import cv2
+
+    from precache.cache.image_codec import decode_image
+    from precache.loading.image_decode import _on_gpu
+
+    dataset = CachedDataset(cache, columns=["image"], decode_images=False)
+    rows = list(dataset.read_batch(list(range(6)))["image"])
+    expected = decode_images(rows, "cpu").numpy()
+    ok, webp = cv2.imencode(".webp", np.ascontiguousarray(expected[2][..., ::-1]),
+                            [cv2.IMWRITE_WEBP_QUALITY, 101])  # lossless
+    rows[2] = webp.reshape(-1)
+    seen: list[int] = []
+
+    def chw(tensors):
+        seen.append(len(tensors))
+        return [torch.from_numpy(decode_image(t.numpy())).permute(2, 0, 1) for t in tensors]
+
+    out = _on_gpu(rows, torch.device("cpu"), "batch 0", chw)
+    assert seen == [5]  # the JPEG rows in one call, the WebP row decoded apart
+    np.testing.assert_array_equal(out.numpy(), expected)
