@@ -12,6 +12,7 @@ the tests run it here.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -182,28 +183,46 @@ def _box_masks(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 def _move_points(batch: dict[str, Any], matrices: np.ndarray, flip: np.ndarray,
                  ) -> dict[str, torch.Tensor]:
-    """``face_opencv.move_points`` on tensors: the same elementwise arithmetic."""
+    """``face_opencv.move_points`` on tensors, with the same elementwise arithmetic: every point
+    set of the batch concatenated, moved and re-indexed in one pass (a dozen tensor ops, where
+    one pass per set took four times as many: on a GPU each is a launch)."""
     out: dict[str, torch.Tensor] = {}
-    keys = [k for k in (*POINT_KEYS, "region_sizes") if batch.get(k) is not None]
-    if not keys:
-        return out
-    device = batch[keys[0]].device
-    m = _on(matrices, device)
-    flipped = _on(flip, device)
-    for key in keys:
-        values = batch[key]
-        if key != "region_sizes":
-            shape = (len(values),) + (1,) * (values.dim() - 2)
-            x, y = values[..., 0].float(), values[..., 1].float()
-            row = [m[:, r, c].reshape(shape) for r in range(2) for c in range(3)]
-            values = torch.stack([row[0] * x + row[1] * y + row[2],
-                                  row[3] * x + row[4] * y + row[5]], dim=-1)
-        if flip.any():
-            order = _on(FLIPS[key], device)
-            where = flipped.view((-1,) + (1,) * (values.dim() - 1))
-            values = torch.where(where, values[:, order], values)
-        out[key] = values
+    keys = tuple(k for k in POINT_KEYS if batch.get(k) is not None)
+    sizes = batch.get("region_sizes")
+    device = (batch[keys[0]] if keys else sizes).device if keys or sizes is not None else None
+    flipped = _on(flip, device) if device is not None and flip.any() else None
+    if keys:
+        n = len(matrices)
+        points = torch.cat([batch[k].reshape(n, -1, 2).float() for k in keys], dim=1)  # (n, P, 2)
+        m = _on(matrices, device)
+        x, y = points[..., 0], points[..., 1]
+        moved = torch.stack([m[:, 0, 0:1] * x + m[:, 0, 1:2] * y + m[:, 0, 2:3],
+                             m[:, 1, 0:1] * x + m[:, 1, 1:2] * y + m[:, 1, 2:3]], dim=-1)
+        if flipped is not None:
+            order = _on(_flip_order(keys, tuple(tuple(batch[k].shape[1:]) for k in keys)), device)
+            moved = torch.where(flipped[:, None, None], moved[:, order], moved)
+        start = 0
+        for key in keys:
+            count = int(np.prod(batch[key].shape[1:-1]))
+            out[key] = moved[:, start:start + count].reshape(batch[key].shape)
+            start += count
+    if sizes is not None:
+        out["region_sizes"] = sizes if flipped is None else torch.where(
+            flipped[:, None], sizes[:, _on(FLIPS["region_sizes"], device)], sizes)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _flip_order(keys: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """The flip's re-indexing of the concatenated points of ``keys`` (per-sample ``shapes``,
+    each ``(A, ..., 2)`` re-indexed along ``A`` by ``FLIPS``)."""
+    orders, start = [], 0
+    for key, shape in zip(keys, shapes):
+        block = int(np.prod(shape[1:-1]))  # points per entry of the re-indexed axis
+        count = shape[0] * block
+        orders.append(start + np.arange(count).reshape(shape[0], block)[FLIPS[key]].ravel())
+        start += count
+    return np.concatenate(orders)
 
 
 def _on(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
