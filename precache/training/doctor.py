@@ -169,7 +169,16 @@ def _timed_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]
     h2d = t.get("h2d", 0.0)
     if device == "cuda" and h2d > H2D_HIGH:
         evidence = f"host-to-device copy {_pct(h2d)} of step time"
-        if not config.get("pin_memory"):
+        if config.get("images_decoded_on") == "device":
+            found.append(Finding(
+                "device-inputs", f"h2d {_pct(h2d)} of step time: it includes the task's inputs, "
+                "which decode the JPEG crops on the GPU and augment them there",
+                "a larger --batch-size: their cost is mostly per batch, not per crop (a few "
+                "hundred kernel launches; on an H100 ~12 ms for 32 frames of 128 px, ~37 ms "
+                "for 256 crops of 224 px); or decode in the loader "
+                "(CachedDataset(decode_images=True)) and augment there (make_loader(..., "
+                "batch_transform=FaceAugment(...)))"))
+        elif not config.get("pin_memory"):
             found.append(Finding("pin-memory", evidence + " from pageable memory",
                                  "pin_memory=True in the DataLoader and .to(device, "
                                  "non_blocking=True)"))

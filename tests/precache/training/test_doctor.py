@@ -73,6 +73,19 @@ def test_the_recorded_h100_runs_are_told_to_add_loader_workers(run, fired):
     assert "--workers to 15" in found[0].advice
 
 
+@pytest.mark.parametrize("run", ["classifier_h100_gpu_decode", "faces_h100_gpu_decode"])
+def test_runs_that_decode_and_augment_on_the_gpu_are_told_the_cost_is_per_batch(run):
+    """Recorded on an H100 (16 CPUs): pipelines/faces/train_classifier.py (4 videos x 8 frames a
+    batch) and pipelines/faces/train.py (256 crops a batch), JPEG crops decoded by nvJPEG and
+    augmented on the GPU in the task's inputs, which the h2d phase times."""
+    config, epochs, _ = load_timeline(RECORDED / f"{run}.jsonl")
+    assert config["device"] == "cuda" and config["images_decoded_on"] == "device"
+    found = diagnose(config, epochs[-1])
+    assert "device-inputs" in rules(found) and "smaller-transfers" not in rules(found)
+    advice = next(f for f in found if f.rule == "device-inputs")
+    assert "--batch-size" in advice.advice and "h2d" in advice.evidence
+
+
 def test_gpu_rules_fire_on_cuda_runs_only():
     epoch = {"epoch": 0, "timeline": {"data_wait": 0.0, "h2d": 0.3, "forward": 0.3,
                                       "backward": 0.3, "optimizer": 0.05, "other": 0.05}}
