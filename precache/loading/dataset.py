@@ -218,9 +218,7 @@ class CachedDataset:
         self.release_mapped_bytes = release_mapped_bytes
         self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
         self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
-        # ru_majflt when the last batch returned: pages read from disk after it (a consumer
-        # reading its rows, which are views of the files) count as that batch's faults, unless
-        # whole shards are being read (_consumer_faults): see _consumer_faulted
+        # ru_majflt when the last batch returned (_consumer_faulted)
         self._faults_at_return = 0
         # (pid, table) once a row table serves every requested column of every shard: warm
         # batches then go straight to it (_read_complete)
@@ -557,12 +555,15 @@ class CachedDataset:
             pid, table = complete
             if pid != os.getpid() or not table.complete:  # a fork's copy, or a shard closed
                 return None
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            if self._consumer_faulted(faults):  # the general path reads ahead again
+                self._faulting = True
+                return None
             try:
                 lists = table.read(index)  # negative indices count from the end, as in _gather
             except IndexError:
                 raise IndexError(f"index out of range for a cache of {len(self)} rows") from None
-            now = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            self._faulting, self._faults_at_return = self._consumer_faulted(now), now
+            self._faults_at_return = faults  # (reading the table touches no row)
         schema = self._cache.manifest.schema
         out = {name: RaggedRows(values) if schema[name].kind == "ragged" else values
                for name, values in lists.items()}
