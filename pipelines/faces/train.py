@@ -9,7 +9,8 @@ Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented cr
 ``precache.training.landmarks.LandmarkNet`` (smooth L1); every 10th crop is held out (``val_l1``).
 ``FaceAugment`` augments each batch where it lives after the loader (per uint8 crop with OpenCV on
 a CPU, over the whole batch on a GPU), so the loader ships the cached columns whole; on a GPU,
-JPEG crops travel as their bytes and are decoded there (nvJPEG).
+JPEG crops travel as their bytes and are decoded there (nvJPEG). ``--augment-on loader`` has the
+loader's workers decode and augment instead (cheaper for small batches on a GPU).
 The loop is ``precache.training.loop.fit``: strategies, precision, accumulation, clipping, the
 OneCycle schedule by progress, the step timeline, and resume on another number of ranks.
 """
@@ -25,31 +26,42 @@ from torch.utils.data import Subset
 from precache.augment import FaceAugment
 from precache.loading import CachedDataset, DevicePrefetcher, decode_images, make_loader
 from precache.loading.image_decode import decodes_on
-from precache.training.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
+from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP,
+                                         LandmarkNet, batch_to_inputs)
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 
 
 class Landmarks(Task):
-    """LandmarkNet on the augmented crops of a faces cache; every 10th crop validates."""
+    """LandmarkNet on the augmented crops of a faces cache; every 10th crop validates.
+
+    Args:
+        augment_on: ``"device"`` or ``"loader"`` (``AUGMENT_ON_HELP``).
+    """
 
     channels_last = True
+
+    def __init__(self, augment_on: str = "device") -> None:
+        if augment_on not in AUGMENT_ON:
+            raise ValueError(f"augment_on must be one of {AUGMENT_ON}, not {augment_on!r}")
+        self.augment_on = augment_on
 
     def data(self, run: Run) -> TrainData:
         s = run.settings
         self.full = CachedDataset(s.cache, columns=["image", "landmarks5"])
         train_idx = [i for i in range(len(self.full)) if i % 10]
         columns = AUGMENT_COLUMNS + ["key"] if s.log_keys else AUGMENT_COLUMNS
+        in_loader = self.augment_on == "loader"
         # JPEG crops (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
         self.train_set = CachedDataset(s.cache, columns=columns,
-                                       decode_images=not decodes_on(run.device))
+                                       decode_images=in_loader or not decodes_on(run.device))
         self.augment = FaceAugment(seed=s.seed * 100_003 + run.rank)  # a stream per rank
         self.val_loader = make_loader(Subset(self.full, range(0, len(self.full), 10)),
                                       s.batch_size, shuffle=False, num_workers=0)
         loader = make_loader(Subset(self.train_set, train_idx), s.batch_size,
-                             num_workers=s.workers, seed=s.seed,
-                             worker_kind=s.worker_kind)
-        return TrainData(loader, len(train_idx), columns)
+                             num_workers=s.workers, seed=s.seed, worker_kind=s.worker_kind,
+                             batch_transform=self.augment if in_loader else None)
+        return TrainData(loader, len(train_idx), columns, transform_in_loader=in_loader)
 
     def model(self, run: Run) -> nn.Module:
         return LandmarkNet()
@@ -57,7 +69,9 @@ class Landmarks(Task):
     def inputs(self, batch: dict, run: Run) -> Any:
         if isinstance(batch["image"], list):  # JPEG bytes, decoded where the model is
             batch = {**batch, "image": decode_images(batch["image"], run.device)}
-        return batch_to_inputs(self.augment(batch))  # on the device already (DevicePrefetcher)
+        if self.augment_on == "device":  # the batch is on the device already (DevicePrefetcher)
+            batch = self.augment(batch)
+        return batch_to_inputs(batch)
 
     def loss(self, net: nn.Module, inputs: Any, run: Run) -> Step:
         images, targets = inputs
@@ -83,7 +97,9 @@ class Landmarks(Task):
 def main(argv: list[str] | None = None) -> None:
     p = training_parser(__doc__, out="runs/faces", lr=2e-3, items="crops",
                         cache_help="a cache of the faces pipeline")
-    fit(Landmarks(), Settings.from_args(p.parse_args(argv)))
+    p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
+    args = p.parse_args(argv)
+    fit(Landmarks(args.augment_on), Settings.from_args(args))
 
 
 if __name__ == "__main__":

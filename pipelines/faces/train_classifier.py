@@ -33,7 +33,7 @@ from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_
                               collate_clips, decode_images, make_loader)
 from precache.loading.image_decode import decodes_on
 from precache.processing.ops.labels import Labels
-from precache.training.landmarks import AUGMENT_COLUMNS
+from precache.training.landmarks import AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 from precache.training.video_eval import aggregate, held_out, log_loss, roc_auc
@@ -55,6 +55,17 @@ def augment_frames(augment: FaceAugment, batch: dict, clips: bool) -> torch.Tens
     frames = {key: batch[key].flatten(0, 1) for key in AUGMENT_COLUMNS}
     groups = torch.arange(len(images)).repeat_interleave(images.shape[1]) if clips else None
     return augment(frames, groups=groups)["image"].unflatten(0, tuple(images.shape[:2]))
+
+
+class AugmentFrames:
+    """``augment_frames`` as ``make_loader``'s ``batch_transform`` (``--augment-on loader``): a
+    class, so that worker processes can receive it."""
+
+    def __init__(self, augment: FaceAugment, clips: bool) -> None:
+        self.augment, self.clips = augment, clips
+
+    def __call__(self, batch: dict) -> dict:
+        return {**batch, "image": augment_frames(self.augment, batch, self.clips)}
 
 
 class FrameClassifier(nn.Module):
@@ -104,8 +115,9 @@ class VideoClassification(Task):
         a, s = self.args, run.settings
         columns = ["image"] if a.no_augment else AUGMENT_COLUMNS
         self.augment = None if a.no_augment else frame_augment(s.seed * 100_003 + run.rank)
+        in_loader = a.augment_on == "loader" and self.augment is not None
         # JPEG frames (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
-        decode = not decodes_on(run.device)
+        decode = in_loader or not decodes_on(run.device)
         self.train_set = VideoFrameDataset(
             s.cache, frames_per_video=a.frames_per_video, columns=columns,
             seed=s.seed, decode_images=decode) if a.mode == "frames" else ClipDataset(
@@ -135,8 +147,9 @@ class VideoClassification(Task):
         # collate_clips: a clip's frames of JPEG bytes stay one list per clip
         loader = make_loader(Subset(self.train_set, train_items), s.batch_size,
                              num_workers=s.workers, seed=s.seed, collate_fn=collate_clips,
-                             worker_kind=s.worker_kind)
-        return TrainData(loader, len(train_items), columns)
+                             worker_kind=s.worker_kind, batch_transform=AugmentFrames(
+                                 self.augment, a.mode == "clips") if in_loader else None)
+        return TrainData(loader, len(train_items), columns, transform_in_loader=in_loader)
 
     def model(self, run: Run) -> nn.Module:
         return FrameClassifier(len(self.classes))  # GroupNorm is slow in channels_last on CPU
@@ -148,7 +161,7 @@ class VideoClassification(Task):
         if isinstance(batch["image"], list):  # JPEG bytes of B clips, decoded on the device
             batch = {**batch, "image": decode_images(batch["image"], run.device)}
         images = batch["image"]  # (B, T, H, W, 3) uint8, on the device (DevicePrefetcher)
-        if self.augment is not None:
+        if self.augment is not None and self.args.augment_on == "device":
             images = augment_frames(self.augment, batch, clips=self.args.mode == "clips")
         return as_nchw(images.flatten(0, 1)).float().div_(255), batch["target"].to(run.device)
 
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-fraction", type=float, default=0.25, help="videos held out, per label")
     p.add_argument("--no-augment", action="store_true",
                    help="train on the cached crops as they are")
+    p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
     args = p.parse_args(argv)
     fit(VideoClassification(args), Settings.from_args(args))
 

@@ -16,9 +16,18 @@ from torch import nn
 from precache.augment import FaceAugment
 from precache.loading.device import as_nchw
 
-__all__ = ["AUGMENT_COLUMNS", "AugmentForTraining", "LandmarkNet", "batch_to_inputs"]
+__all__ = ["AUGMENT_COLUMNS", "AUGMENT_ON", "AUGMENT_ON_HELP", "AugmentForTraining",
+           "LandmarkNet", "batch_to_inputs"]
 
 AUGMENT_COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # FaceAugment's
+AUGMENT_ON = ("device", "loader")  # the face trainers' --augment-on
+AUGMENT_ON_HELP = (
+    "where FaceAugment runs. device: on each batch after the loader, where the model is (on a "
+    "GPU, JPEG crops are decoded there too, by nvJPEG); its cost there is mostly per batch (on "
+    "an H100 ~37 ms for 256 crops of 224 px, ~12 ms for 32 of 128 px), so it suits large "
+    "batches. loader: in the loader's workers, on the CPU (OpenCV), the crops decoded there; "
+    "with worker threads the draws are shared by the threads, so which batch gets which draw "
+    "varies from run to run (--worker-kind processes, or --augment-on device, repeat exactly)")
 
 
 class AugmentForTraining:

@@ -6,6 +6,7 @@ tests/precache/training/test_loop.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from precache.training.checkpoint import load_checkpoint
@@ -33,3 +34,19 @@ def test_a_stopped_run_resumes_from_its_checkpoint_and_scores_the_landmarks(face
     assert records[-1]["samples_seen"] == 2 * len(train) == records[-1]["samples_planned"]
     assert all(0 < r["val_l1"] < 1 and r["strategy"] == "ddp" for r in records)
     assert load_checkpoint(out / "last.pt")["epoch"] == 2
+
+
+def test_augmenting_in_worker_processes_repeats_exactly(face_cache: Path, tmp_path: Path):
+    """--augment-on loader: FaceAugment runs in the loader's workers (the run record says so);
+    with worker processes, seeded per worker, two runs of one seed train on the same draws."""
+    script = load_script(TRAIN, "faces_train")
+    losses = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        script.main(["--cache", str(face_cache), "--out", str(out), "--batch-size", "4",
+                     "--epochs", "1", "--workers", "2", "--worker-kind", "processes",
+                     "--augment-on", "loader"])
+        config = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["config"]
+        assert config["transform_in_loader"] and config["worker_kind"] == "processes"
+        losses.append([r["train_loss"] for r in read_metrics(out)])
+    assert losses[0] == losses[1] and all(0 < loss < 1 for loss in losses[0])
