@@ -85,8 +85,13 @@ def polygon_masks(polygons: torch.Tensor, height: int, width: int) -> torch.Tens
 
 def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
              region_rows: Sequence[int]) -> None:
-    """The region steps, in place: per step, every sample it runs on at once."""
+    """The region steps, in place. The regions that every (sample, step) pair picks, and their
+    masks, are found together (the hulls do not change between steps); then each step edits
+    every sample it runs on at once."""
     if batch.get("regions") is None or batch.get("region_sizes") is None or not region_rows:
+        return
+    samples, steps = np.nonzero(draws.region_on.T)[::-1]  # step-major: each step's pairs together
+    if not len(samples):
         return
     device, (n, height, width) = out.device, out.shape[:3]
     regions, sizes = batch["regions"], batch["region_sizes"]
@@ -97,16 +102,18 @@ def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
     present = (sizes[:, rows] >= 3) & has_mesh[:, None]  # (n, S)
     count = present.sum(dim=1)
     cumulative = present.cumsum(dim=1)
+    index = _on(samples, device)
+    pick = _on(draws.region_pick[samples, steps], device, torch.float64)
+    k = torch.minimum((pick * count[index]).floor(), count[index] - 1)
+    row = rows[(cumulative[index] > k[:, None]).int().argmax(dim=1)]
+    masks = polygon_masks(regions[index, row], height, width) & (count[index] > 0)[:, None, None]
+    bounds = np.searchsorted(steps, np.arange(4))
     for step in range(3):
-        on = np.flatnonzero(draws.region_on[:, step])
-        if not len(on):
+        first, last = int(bounds[step]), int(bounds[step + 1])
+        if first == last:
             continue
-        index = _on(on, device)
-        pick = _on(draws.region_pick[on, step], device, torch.float64)
-        k = torch.minimum((pick * count[index]).floor(), count[index] - 1)
-        row = rows[(cumulative[index] > k[:, None]).int().argmax(dim=1)]
-        mask = polygon_masks(regions[index, row], height, width) & (count[index] > 0)[:, None, None]
-        x = out[index].float()
+        on, where, mask = samples[first:last], index[first:last], masks[first:last]
+        x = out[where].float()
         if step == 0:
             gain = _on(draws.region_gain[on], device, torch.float32)
             bias = _on(draws.region_bias[on], device, torch.float32)
@@ -119,7 +126,7 @@ def _regions(out: torch.Tensor, batch: dict[str, Any], draws: FaceDraws,
                 fill[j] = (occlusion_noise(int(draws.noise_seed[i]), height, width)
                            if draws.occlude_noise[i] else draws.occlude_colour[i])
             edited = _on(fill, device)
-        out[index] = torch.where(mask[..., None], edited, out[index])
+        out[where] = torch.where(mask[..., None], edited, out[where])
 
 
 def _warp(images: torch.Tensor, matrices: np.ndarray) -> torch.Tensor:
