@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
-from precache.loading import CachedDataset, DevicePrefetcher, decode_images, make_loader
-from precache.loading.image_decode import decodes_on
+from precache.loading import (CachedDataset, DevicePrefetcher, decode_images, decodes_on,
+                              make_loader)
 from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP,
                                          LandmarkNet, batch_to_inputs)
 from precache.training.loop import Run, Step, Task, TrainData, fit

@@ -30,8 +30,7 @@ from torch.utils.data import Subset
 from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_nchw,
-                              collate_clips, decode_images, make_loader)
-from precache.loading.image_decode import decodes_on
+                              collate_clips, decode_images, decodes_on, make_loader)
 from precache.processing.ops.labels import Labels
 from precache.training.landmarks import AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP
 from precache.training.loop import Run, Step, Task, TrainData, fit

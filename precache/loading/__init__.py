@@ -6,7 +6,7 @@ from precache.loading.buckets import LengthBucketSampler
 from precache.loading.clips import ClipDataset, VideoFrameDataset, collate_clips
 from precache.loading.dataset import CachedDataset, RaggedRows
 from precache.loading.device import DevicePrefetcher, as_nchw, to_device
-from precache.loading.image_decode import decode_images
+from precache.loading.image_decode import decode_images, decodes_on
 from precache.loading.loader import CacheLoader, loader_workers, make_loader
 from precache.loading.packing import PackedBlocks
 from precache.loading.patches import PatchDataset
@@ -17,5 +17,5 @@ from precache.loading.threaded import ThreadedBatches
 __all__ = ["CachedDataset", "DistributedShardSampler", "make_loader", "CacheLoader",
            "loader_workers", "DevicePrefetcher", "to_device", "as_nchw", "PackedBlocks",
            "ClipDataset", "VideoFrameDataset", "collate_clips", "TokenCollate",
-           "LengthBucketSampler", "RaggedRows", "ThreadedBatches", "decode_images",
+           "LengthBucketSampler", "RaggedRows", "ThreadedBatches", "decode_images", "decodes_on",
            "PatchDataset"]
