@@ -20,6 +20,7 @@ DATA_WAIT_HIGH = 0.2  # share of step time waiting for the loader
 H2D_HIGH = 0.1  # share in host-to-device copies (CUDA)
 COMPUTE_HIGH = 0.5  # forward + backward share
 OPTIMIZER_HIGH = 0.2  # optimizer share
+HOST_BOUND_HIGH = 0.3  # share of a CUDA step outside its timed phases (the GPU waits on the host)
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
 
 
@@ -203,6 +204,16 @@ def _timed_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]
             found.append(Finding("channels-last", evidence + " on NCHW images",
                                  "--channels-last: convolutions run faster in NHWC on tensor "
                                  "cores"))
+
+    other = t.get("other", 0.0)
+    if device == "cuda" and other > HOST_BOUND_HIGH:
+        found.append(Finding(
+            "host-bound", f"{_pct(other)} of step time outside the timed phases on CUDA, whose "
+            "phases are the GPU's own times (CUDA events): the GPU ran out of queued kernels and "
+            "waited for Python to launch more",
+            ("--compile (fewer, fused kernels)" if not config.get("compile") else
+             "torch.compile with mode='reduce-overhead' (CUDA graphs)") + ", or a larger "
+            "--batch-size: the same launches then do more work"))
 
     opt = t.get("optimizer", 0.0)
     if opt > OPTIMIZER_HIGH:

@@ -2,7 +2,8 @@
 metrics.jsonl of real MiniLM fine-tunes by pipelines/text/finetune.py: on this machine's CPU
 (timelines/minilm_cpu_fp32.jsonl, --batch-size 8 --workers 0) and on an H100
 (timelines/minilm_h100_fp32.jsonl and _fp16, --batch-size 32 --workers 4, 16 CPUs; phases timed
-with CUDA events); and the real command."""
+with CUDA events; _fp32_threads with loader threads, random weights), the video classifier and
+the faces trainer decoding and augmenting on an H100; and the real command."""
 
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ def test_runs_that_decode_and_augment_on_the_gpu_are_told_the_cost_is_per_batch(
     assert "device-inputs" in rules(found) and "smaller-transfers" not in rules(found)
     advice = next(f for f in found if f.rule == "device-inputs")
     assert "--batch-size" in advice.advice and "h2d" in advice.evidence
+
+
+def test_a_cuda_run_whose_gpu_waits_for_the_host_is_told_to_launch_less():
+    """The MiniLM fine-tune on an H100 with 4 loader threads (batch 32, fp32): the loader keeps
+    up (data wait under 1%), but half of the step is neither data wait nor GPU time."""
+    config, epochs, _ = load_timeline(RECORDED / "minilm_h100_fp32_threads.jsonl")
+    assert config["worker_kind"] == "threads" and epochs[-1]["timeline"]["data_wait"] < 0.05
+    found = diagnose(config, epochs[-1])
+    assert rules(found) == ["host-bound"]
+    assert "--compile" in found[0].advice and "--batch-size" in found[0].advice
 
 
 def test_gpu_rules_fire_on_cuda_runs_only():
