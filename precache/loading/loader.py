@@ -203,6 +203,17 @@ class CacheLoader:
         return _beneath_subsets(self.loader.dataset, lambda d: hasattr(type(d), "generation"))
 
 
+WORKER_KINDS = ("auto", "threads", "processes")
+"""``make_loader``'s ``worker_kind`` choices (and the trainers' ``--worker-kind``)."""
+
+
+def check_worker_kind(worker_kind: str) -> None:
+    """Raise ``ValueError`` unless ``worker_kind`` is one of ``WORKER_KINDS``."""
+    if worker_kind not in WORKER_KINDS:
+        raise ValueError(f"worker_kind must be one of {', '.join(WORKER_KINDS)}, not "
+                         f"{worker_kind!r}")
+
+
 def make_loader(
     dataset: Any,
     batch_size: int,
@@ -262,9 +273,7 @@ def make_loader(
     workers = loader_workers() if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
-    if worker_kind not in ("auto", "threads", "processes"):
-        raise ValueError(f"worker_kind must be 'auto', 'threads' or 'processes', not "
-                         f"{worker_kind!r}")
+    check_worker_kind(worker_kind)
     sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                       shard_window=shard_window, rank=rank, world_size=world_size)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory

@@ -11,12 +11,12 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from precache.loading.loader import WORKER_KINDS, check_worker_kind
 from precache.training.strategy import STRATEGIES
 
 __all__ = ["PRECISION_CHOICES", "Settings", "training_parser"]
 
 PRECISION_CHOICES = ("bf16", "fp16", "fp32", "auto")
-WORKER_KINDS = ("auto", "threads", "processes")
 _STRATEGY_HELP = {"ddp": "replicate the model", "zero": "ZeRO-1, shard the optimizer state",
                   "fsdp": "FSDP2, shard parameters, gradients and optimizer state",
                   "deepspeed_stage_2": "DeepSpeed ZeRO stage 2 (CUDA; pip install deepspeed)"}
@@ -72,9 +72,7 @@ class Settings:
         if self.precision not in PRECISION_CHOICES:
             raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, not "
                              f"{self.precision!r}")
-        if self.worker_kind not in WORKER_KINDS:
-            raise ValueError(f"worker_kind must be one of {', '.join(WORKER_KINDS)}, not "
-                             f"{self.worker_kind!r}")
+        check_worker_kind(self.worker_kind)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                              f"{self.strategy!r}")

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Subset
 
 from precache.loading import CachedDataset, ThreadedBatches, loader_workers
 from precache.loading.buckets import LengthBucketSampler
+from precache.loading.loader import check_worker_kind
 from precache.loading.text import TokenCollate
 from precache.training.loop import Run, Step, Task, TrainData
 
@@ -47,9 +48,7 @@ class BucketLoader:
     def __init__(self, dataset: Any, sampler: LengthBucketSampler, collate: Callable, *,
                  workers: int | None, pin_memory: bool, worker_kind: str = "auto") -> None:
         workers = loader_workers() if workers is None else workers
-        if worker_kind not in ("auto", "threads", "processes"):
-            raise ValueError(f"worker_kind must be 'auto', 'threads' or 'processes', not "
-                             f"{worker_kind!r}")
+        check_worker_kind(worker_kind)
         self.sampler = sampler
         self.num_workers = workers
         self.worker_kind = "none" if not workers else (
