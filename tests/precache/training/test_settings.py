@@ -54,3 +54,8 @@ def test_settings_refuse_what_the_loop_cannot_run():
         Settings(cache="c", out="o", strategy="deepspeed")
     with pytest.raises(ValueError, match="accumulate must be at least 1, not 0"):
         Settings(cache="c", out="o", accumulate=0)
+    with pytest.raises(ValueError, match="worker_kind must be one of auto, threads, processes"):
+        Settings(cache="c", out="o", worker_kind="fibers")
+    args = training_parser(None, out="o", lr=1.0).parse_args(["--cache", "c", "--worker-kind",
+                                                               "processes"])
+    assert Settings.from_args(args).worker_kind == "processes"
