@@ -21,6 +21,7 @@ written before that checksum existed are read through ``VariableColumn.row_reade
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,16 @@ __all__ = ["RowTable"]
 
 _LIMIT = 1 << 32
 """Bounds are stored as uint32: a run of 4 GiB or more (HDF5 only) is read another way."""
+
+
+def _zeros(shape: tuple[int, int]) -> np.ndarray:
+    """A zeroed ``uint32`` array in an anonymous private map of 4 KiB pages, zeroed by the
+    kernel as they are first written. ``np.zeros`` asks for huge pages for large arrays: under
+    memory pressure (a cache past RAM) the kernel compacted memory to find 2 MiB for each shard
+    a first batch filled, 0.2-0.6 s for a 25-million-row table."""
+    count = shape[0] * shape[1]
+    pages = mmap.mmap(-1, max(1, count * 4), flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(pages, dtype=np.uint32, count=count).reshape(shape)
 
 
 class RowTable:
@@ -63,7 +74,7 @@ class RowTable:
         self._filled = np.zeros(shards, dtype=bool)  # bounds written (they outlive a close)
         self.usable = True
         # per row: shard, then (start, stop) per column (see the module docstring)
-        self._bounds = np.zeros((len(rows), 1 + 2 * len(self.names)), dtype=np.uint32)
+        self._bounds = _zeros((len(rows), 1 + 2 * len(self.names)))
         self._values: list[list[Any]] = [[None] * shards for _ in self.names]
         self._finish: list[Any] = [None] * len(self.names)
         self._bytes_sum, self._count = 0.0, 0
