@@ -124,7 +124,7 @@ class RowTable:
     def read(self, indices: np.ndarray) -> dict[str, list[Any]]:
         """Each column's values of dataset rows ``indices``, in that order. Every shard of
         those rows must be ``ready``."""
-        bounds = np.ascontiguousarray(self._bounds[indices].T).tolist()  # one gather
+        bounds = self._bounds.take(indices, axis=0).T.tolist()  # one gather (take: ~4 us less)
         which = bounds[0]
         out = {}
         for k, name in enumerate(self.names):
