@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
@@ -52,6 +53,9 @@ def loader_workers() -> int:
 
 def _pin_worker_threads(_: int) -> None:
     pin_threads()
+
+
+_INDEX_SPAN = 1 << 16  # indices a read-ahead batch sampler asks of the sampler at a time
 
 
 class IndexBatch(list):
@@ -84,15 +88,20 @@ class ReadAheadBatches(Sampler[list[int]]):
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        mine = self.sampler.indices()
-        size = self.batch_size
-        for start in range(0, len(mine), size):
-            chunk = mine[start:start + size]
+        total, size = len(self.sampler), self.batch_size
+        span = max(_INDEX_SPAN, size * (self.ahead_by + 1))  # indices asked of the sampler at once
+        first, held = 0, self.sampler.indices_between(0, span)  # positions first.. of the pass
+        for start in range(0, total, size):
+            needed = min(total, start + (self.ahead_by + 1) * size)
+            if needed > first + len(held):  # ask for the next span (a lazy order costs per index)
+                more = self.sampler.indices_between(first + len(held), needed + span)
+                held, first = np.concatenate([held[start - first:], more]), start
+            chunk = held[start - first:start - first + size]
             batch = IndexBatch(chunk.tolist())
             batch.array = chunk
-            later = start + self.ahead_by * size
-            if later < len(mine):
-                batch.ahead = mine[later:later + size].tolist()
+            later = start + self.ahead_by * size - first
+            if later + first < total:
+                batch.ahead = held[later:later + size].tolist()
             yield batch
 
 

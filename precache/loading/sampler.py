@@ -16,6 +16,11 @@ never waits on a rank that has run out):
   ``world_size - 1`` samples are skipped that epoch.
 
 A resumed epoch pads or cuts what is left after the offset, so these bounds hold per resume.
+
+The order of a shuffled epoch is NumPy's ``permutation`` up to ``LAZY_ORDER_ROWS`` samples; past
+that it is a ``LazyOrder``, computed a chunk at a time as the epoch goes, so the first batch of a
+cache of millions of rows does not wait for a whole shuffle (1.0-1.6 s for 25 million). The state
+records which (``order``), so a saved position always resumes in the order it was saved in.
 """
 
 from __future__ import annotations
@@ -27,9 +32,16 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedShardSampler", "shuffle_quality"]
+from precache.loading.lazy_order import LazyOrder
+
+__all__ = ["DistributedShardSampler", "LAZY_ORDER_ROWS", "ORDERS", "shuffle_quality"]
 
 _CHUNK = 8192  # indices turned into Python ints at a time
+LAZY_ORDER_ROWS = 1 << 22
+"""Above this many samples a shuffled epoch's order is a ``LazyOrder`` (4.2 million: NumPy
+shuffles that many in ~0.2 s; the lazy order costs ~4x as much in all, spread over the epoch)."""
+ORDERS = ("sequential", "permutation", "windows", "lazy")
+"""How an epoch order is made: no shuffle; NumPy's permutation; shards in windows; LazyOrder."""
 
 
 class DistributedShardSampler(Sampler[int]):
@@ -96,6 +108,8 @@ class DistributedShardSampler(Sampler[int]):
         self.epoch = 0
         self.offset = 0  # samples of this epoch's order consumed by all ranks before this pass
         self._resumed_epoch: int | None = None  # set by load_state_dict until its set_epoch
+        self._saved_order: tuple[int, str] | None = None  # (epoch, order) of a loaded state
+        self._order: tuple[tuple[int, str], Any] | None = None  # this epoch's order, made once
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its beginning, unless ``load_state_dict`` just set this epoch."""
@@ -105,39 +119,69 @@ class DistributedShardSampler(Sampler[int]):
             self.offset = 0
         self.epoch, self._resumed_epoch = int(epoch), None
 
+    def order_kind(self) -> str:
+        """How this epoch's order is made (one of ``ORDERS``): as the loaded state says for its
+        epoch, else from the settings and the dataset's size."""
+        if self._saved_order is not None and self._saved_order[0] == self.epoch:
+            return self._saved_order[1]
+        if not self.shuffle:
+            return "sequential"
+        if self._shards is not None:
+            return "windows"
+        return "lazy" if self.size > LAZY_ORDER_ROWS else "permutation"
+
     def epoch_order(self) -> np.ndarray:
         """All N indices in this epoch's order (identical on every rank)."""
-        if not self.shuffle:
-            return np.arange(self.size, dtype=np.int64)
+        return self._order_at(np.arange(self.size, dtype=np.int64))
+
+    def _order_at(self, positions: np.ndarray) -> np.ndarray:
+        """The indices at ``positions`` of this epoch's order."""
+        kind = self.order_kind()
+        if kind == "sequential" or not len(positions):
+            return positions.astype(np.int64)
+        if self._order is None or self._order[0] != (self.epoch, kind):
+            self._order = ((self.epoch, kind), LazyOrder(self.size, [self.seed, self.epoch])
+                           if kind == "lazy" else self._whole_order(kind))
+        return self._order[1][positions]
+
+    def _whole_order(self, kind: str) -> np.ndarray:
+        """NumPy's shuffle of all indices, or of the shards' windows (``shard_window``)."""
         rng = np.random.default_rng([self.seed, self.epoch])
+        if kind == "permutation":
+            return rng.permutation(self.size)
         if self._shards is None:
-            return rng.permutation(self.size).astype(np.int64)
+            raise ValueError("a 'windows' order needs shard_window and the dataset's shard_ids")
         shards, shard_of = np.unique(self._shards, return_inverse=True)
         place = np.empty(len(shards), dtype=np.int64)
         place[rng.permutation(len(shards))] = np.arange(len(shards))  # shard -> its place
         window = place[shard_of] // self.shard_window
         shuffled = rng.permutation(self.size)
-        return shuffled[np.argsort(window[shuffled], kind="stable")].astype(np.int64)
+        return shuffled[np.argsort(window[shuffled], kind="stable")]
 
     def _count(self) -> int:
         left = self.size - self.offset
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
+    def indices_between(self, start: int, stop: int) -> np.ndarray:
+        """This rank's indices at its positions ``[start, stop)`` of the pass (``0`` to
+        ``len(self)``): only those are computed (a lazy order costs what it hands out)."""
+        start, stop = max(0, int(start)), min(int(stop), self._count())
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        left = self.size - self.offset  # padding repeats the first samples left (np.resize)
+        strided = self.rank + np.arange(start, stop, dtype=np.int64) * self.world_size
+        return self._order_at(self.offset + strided % left)
+
     def indices(self) -> np.ndarray:
         """This rank's indices for the rest of the epoch (from ``offset``), in order."""
-        remaining = self.epoch_order()[self.offset:]
-        total = self._count() * self.world_size
-        if total > len(remaining):  # pad by repeating the first samples left
-            remaining = np.resize(remaining, total)
-        return remaining[:total][self.rank::self.world_size]
+        return self.indices_between(0, self._count())
 
     def __len__(self) -> int:
         return self._count()
 
     def __iter__(self) -> Iterator[int]:
-        mine = self.indices()
-        for start in range(0, len(mine), _CHUNK):
-            yield from mine[start:start + _CHUNK].tolist()
+        for start in range(0, self._count(), _CHUNK):
+            yield from self.indices_between(start, start + _CHUNK).tolist()
 
     def state_dict(self, consumed: int) -> dict[str, Any]:
         """The epoch's position after this rank's training loop received ``consumed`` samples.
@@ -152,7 +196,8 @@ class DistributedShardSampler(Sampler[int]):
         Returns:
             Plain JSON-able data: ``epoch``, ``seed``, ``offset`` (global: samples of the
             epoch order consumed by all ranks), ``size``, ``shuffle``, ``shard_window``,
-            ``drop_last``. Once the pass is consumed, ``offset`` is ``size`` (epoch done).
+            ``drop_last``, ``order`` (``order_kind()``). Once the pass is consumed,
+            ``offset`` is ``size`` (epoch done).
 
         Raises:
             ValueError: ``consumed`` is negative or more than this rank yields.
@@ -162,7 +207,7 @@ class DistributedShardSampler(Sampler[int]):
         offset = self.size if consumed == len(self) else self.offset + consumed * self.world_size
         return {"epoch": self.epoch, "seed": self.seed, "offset": min(offset, self.size),
                 "size": self.size, "shuffle": self.shuffle, "shard_window": self.shard_window,
-                "drop_last": self.drop_last}
+                "drop_last": self.drop_last, "order": self.order_kind()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch, on any world size; the next ``set_epoch`` of it keeps this.
@@ -183,8 +228,19 @@ class DistributedShardSampler(Sampler[int]):
         if not 0 <= state["offset"] <= self.size or state["epoch"] < 0:
             raise ValueError(f"sampler state has epoch {state['epoch']} and offset "
                              f"{state['offset']} (size {self.size})")
+        # a state from before "order" was kept: the order those versions made
+        order = state.get("order") or ("sequential" if not self.shuffle else "permutation"
+                                       if self.shard_window is None else "windows")
+        fits = {"sequential": not self.shuffle, "windows": self.shard_window is not None,
+                "permutation": self.shuffle and self.shard_window is None,
+                "lazy": self.shuffle and self.shard_window is None}
+        if not fits.get(order, False):
+            raise ValueError(f"sampler state has order {order!r}, which a sampler with "
+                             f"shuffle={self.shuffle}, shard_window={self.shard_window} cannot "
+                             f"make (known: {', '.join(ORDERS)})")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._resumed_epoch = self.epoch
+        self._saved_order = (self.epoch, order)
 
 
 def shuffle_quality(order: np.ndarray, shard_ids: np.ndarray, batch_size: int) -> dict[str, float]:

@@ -122,7 +122,7 @@ def test_two_ranks_stop_mid_epoch_and_new_ranks_finish_it_exactly(
     state = json.loads(state_path.read_text())
     assert first_ranks[0]["state"] == first_ranks[1]["state"] == state
     assert state == {"epoch": EPOCH, "seed": SEED, "offset": 2 * K * BATCH, "size": SIZE,
-                     "shuffle": True, "shard_window": 2, "drop_last": False}
+                     "shuffle": True, "shard_window": 2, "drop_last": False, "order": "windows"}
     first = [k for r in first_ranks for k in r["keys"]]
     assert len(first) == len(set(first)) == 2 * K * BATCH  # no padding before the end
 

@@ -39,6 +39,21 @@ def test_each_batch_carries_the_batch_ahead_by_the_worker_count():
     assert batches[2].ahead is None and batches[3].ahead is None
 
 
+def test_indices_are_asked_of_the_sampler_a_span_at_a_time(monkeypatch):
+    """With spans shorter than an epoch (here 5 indices; 65,536 by default) the batches and
+    their read-ahead are the same as from the whole epoch's indices."""
+    import precache.loading.loader as loader
+
+    monkeypatch.setattr(loader, "_INDEX_SPAN", 5)
+    for rank in range(2):
+        sampler = DistributedShardSampler(range(103), seed=4, rank=rank, world_size=2)
+        whole = sampler.indices().tolist()
+        batches = list(ReadAheadBatches(sampler, batch_size=4, ahead_by=3))
+        assert [list(b) for b in batches] == [whole[i:i + 4] for i in range(0, len(whole), 4)]
+        assert [b.ahead for b in batches] == [whole[i + 12:i + 16] or None
+                                              for i in range(0, len(whole), 4)]
+
+
 class Recording(CachedDataset):
     """Returns, with each batch, the worker's pid and the read-ahead indices it was given."""
 

@@ -8,9 +8,20 @@ from collections import Counter
 import numpy as np
 import pytest
 
+import precache.loading.sampler as sampler_module
+from precache.loading.lazy_order import LazyOrder
 from precache.loading.sampler import DistributedShardSampler
 
 SIZES = [0, 1, 2, 3, 5, 7, 10, 37, 64]
+
+
+@pytest.fixture(params=["permutation", "lazy"])
+def order_kind(request, monkeypatch) -> str:
+    """Run a test with each shuffled order: NumPy's permutation (caches up to LAZY_ORDER_ROWS
+    samples) and LazyOrder (larger ones; here every size, by lowering the bound)."""
+    if request.param == "lazy":
+        monkeypatch.setattr(sampler_module, "LAZY_ORDER_ROWS", 0)
+    return request.param
 
 
 class FakeShardedDataset:
@@ -44,7 +55,8 @@ def flat(per_rank: list[list[int]]) -> list[int]:
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", SIZES)
-def test_padding_covers_every_index_with_at_most_world_minus_one_repeats(n, world, shuffle):
+def test_padding_covers_every_index_with_at_most_world_minus_one_repeats(n, world, shuffle,
+                                                                        order_kind):
     ranks = samplers(range(n), world, shuffle=shuffle, seed=3)
     for s in ranks:
         s.set_epoch(2)
@@ -60,7 +72,7 @@ def test_padding_covers_every_index_with_at_most_world_minus_one_repeats(n, worl
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", SIZES)
-def test_drop_last_skips_at_most_world_minus_one_and_repeats_nothing(n, world):
+def test_drop_last_skips_at_most_world_minus_one_and_repeats_nothing(n, world, order_kind):
     ranks = samplers(range(n), world, drop_last=True)
     seen = take(ranks)
     assert {len(x) for x in seen} == {n // world} == {len(s) for s in ranks}
@@ -146,7 +158,8 @@ def saved(ranks: list[DistributedShardSampler], consumed: int) -> dict:
 @pytest.mark.parametrize("w2", [1, 2, 3, 4])
 @pytest.mark.parametrize("w1", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [1, 5, 37])
-def test_resuming_on_another_world_size_finishes_the_epoch_exactly(n, w1, w2, drop_last):
+def test_resuming_on_another_world_size_finishes_the_epoch_exactly(n, w1, w2, drop_last,
+                                                                   order_kind):
     kwargs = dict(seed=5, drop_last=drop_last)
     first_ranks = samplers(range(n), w1, **kwargs)
     for s in first_ranks:
@@ -156,6 +169,7 @@ def test_resuming_on_another_world_size_finishes_the_epoch_exactly(n, w1, w2, dr
     for k in sorted({0, per_rank // 2, max(0, per_rank - 1), per_rank}):
         first = flat(take(first_ranks, k))
         state = saved(first_ranks, k)
+        assert state["order"] == order_kind
         second = flat(take(resume(state, w2, **kwargs)))
         done = k == per_rank
         offset = n if done else k * w1
@@ -175,7 +189,7 @@ def test_resuming_on_another_world_size_finishes_the_epoch_exactly(n, w1, w2, dr
             assert len(first) + len(second) == n + first_pad + (-left) % w2
 
 
-def test_resuming_twice_across_world_sizes_is_still_exact():
+def test_resuming_twice_across_world_sizes_is_still_exact(order_kind):
     n = 37
     ranks = samplers(range(n), 2, seed=9)
     for s in ranks:
@@ -248,7 +262,7 @@ def test_rank_and_world_size_come_from_torch_distributed_when_initialised(monkey
     assert (DistributedShardSampler(range(10), rank=0, world_size=1).world_size) == 1
 
 
-def test_large_epochs_come_out_whole_and_in_order():
+def test_large_epochs_come_out_whole_and_in_order(order_kind):
     s = DistributedShardSampler(range(100_003), rank=1, world_size=2)
     out = list(s)
     assert len(out) == len(s) == 50_002 and out == s.indices().tolist()
@@ -274,3 +288,66 @@ def test_shuffle_quality_tells_a_full_shuffle_from_windows_and_sequential_reads(
     assert full["batch_entropy"] > 0.8 and full["same_shard"] < 0.5
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
         shuffle_quality(np.arange(32), shard_ids, batch_size=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 1000, 65_537])
+def test_a_lazy_order_is_a_permutation_fixed_by_its_seed(n):
+    order = LazyOrder(n, [7, 1])
+    whole = order[np.arange(n)]
+    assert np.array_equal(np.sort(whole), np.arange(n))
+    picked = np.random.default_rng(0).integers(0, n, 50)
+    assert np.array_equal(order[picked], whole[picked])  # any positions, in any order
+    assert np.array_equal(LazyOrder(n, [7, 1])[np.arange(n)], whole)
+    if n >= 17:
+        assert not np.array_equal(LazyOrder(n, [7, 2])[np.arange(n)], whole)
+        assert not np.array_equal(whole, np.arange(n))
+    with pytest.raises(IndexError):
+        order[np.array([n])]
+
+
+def test_past_the_bound_an_epoch_computes_only_the_indices_it_hands_out(monkeypatch):
+    """The first batch of a lazily ordered epoch asks for one span of positions, not all N."""
+    from precache.loading.loader import ReadAheadBatches
+
+    monkeypatch.setattr(sampler_module, "LAZY_ORDER_ROWS", 1000)
+    asked = []
+    original = LazyOrder.__getitem__
+    monkeypatch.setattr(LazyOrder, "__getitem__",
+                        lambda self, positions: asked.append(len(positions)) or
+                        original(self, positions))
+    sampler = DistributedShardSampler(range(1_000_000), seed=2)
+    assert sampler.order_kind() == "lazy" and sampler.state_dict(0)["order"] == "lazy"
+    first = next(iter(ReadAheadBatches(sampler, batch_size=256, ahead_by=2)))
+    assert len(first) == 256 and sum(asked) <= 1 << 16
+    assert DistributedShardSampler(range(1000), seed=2).order_kind() == "permutation"
+
+
+def test_a_state_saved_before_orders_were_recorded_resumes_in_numpys_order(monkeypatch):
+    """A checkpoint from before this change has no "order": its epoch goes on in NumPy's
+    permutation, even for a size that now gets a lazy order; the next epoch is lazy."""
+    ranks = samplers(range(50), 2, seed=6)
+    for s in ranks:
+        s.set_epoch(1)
+    first = flat(take(ranks, 10))
+    state = saved(ranks, 10)
+    del state["order"]
+    monkeypatch.setattr(sampler_module, "LAZY_ORDER_ROWS", 10)
+    resumed = resume(state, 2, seed=6)
+    assert resumed[0].order_kind() == "permutation"
+    assert sorted(first + flat(take(resumed))) == list(range(50))
+    resumed[0].set_epoch(2)
+    assert resumed[0].order_kind() == "lazy"
+    with pytest.raises(ValueError, match="order 'by-hash', which a sampler with shuffle=True"):
+        resume(dict(state, order="by-hash"), 1, seed=6)
+
+
+def test_a_lazy_order_mixes_shards_as_well_as_numpys(monkeypatch):
+    from precache.loading.sampler import shuffle_quality
+
+    shard_ids = np.repeat(np.arange(64), 256)  # 64 shards of 256 rows
+    dataset = FakeShardedDataset(shard_ids)
+    numpys = shuffle_quality(DistributedShardSampler(dataset, seed=3).epoch_order(), shard_ids, 256)
+    monkeypatch.setattr(sampler_module, "LAZY_ORDER_ROWS", 0)
+    lazy = shuffle_quality(DistributedShardSampler(dataset, seed=3).epoch_order(), shard_ids, 256)
+    assert lazy["batch_entropy"] > 0.97 * numpys["batch_entropy"]
+    assert abs(lazy["same_shard"] - numpys["same_shard"]) < 0.01
