@@ -29,11 +29,17 @@ def labelled_videos(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_the_classifier_learns_fakes_scored_per_video(labelled_videos, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("where", [["--workers", "0"],  # augmented on the device, after loading
+                                   ["--workers", "2", "--worker-kind", "processes",
+                                    "--augment-on", "loader"]])
+def test_the_classifier_learns_fakes_scored_per_video(labelled_videos, tmp_path, capsys,
+                                                      where) -> None:
     out = tmp_path / "run"
     load_script(TRAIN, "train_classifier").main([
-        "--cache", str(labelled_videos), "--out", str(out), "--epochs", "8", "--workers", "0"])
+        "--cache", str(labelled_videos), "--out", str(out), "--epochs", "8", *where])
     assert "32 videos (0 without faces): 24 train, 8 validation" in capsys.readouterr().out
+    config = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["config"]
+    assert config["transform_in_loader"] == ("loader" in where)
     records = read_metrics(out)
     assert [r["epoch"] for r in records] == list(range(8))
     assert records[-1]["val_videos"] == 8
