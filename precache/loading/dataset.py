@@ -140,6 +140,14 @@ def collate_samples(samples: list[Sample]) -> dict[str, Any]:
     return default_collate(samples)
 
 
+def _index_array(indices: Sequence[int]) -> np.ndarray:
+    """``indices`` as int64, taken from the array a ``make_loader`` ``IndexBatch`` carries
+    (``array``) when it has one."""
+    given = getattr(indices, "array", None)
+    return np.asarray(indices if given is None or len(given) != len(indices) else given,
+                      dtype=np.int64)
+
+
 class CachedDataset:
     """Rows of a cache as samples: dicts of column name -> NumPy value (``key`` is a ``str``).
 
@@ -531,8 +539,7 @@ class CachedDataset:
                 self._after_gather(faults, groups)
         for name in self._encoded:
             if name in out and order is not None:
-                out[name] = (self._decode(name, out[name], order) if self.decode_images else
-                             [np.frombuffer(value, np.uint8) for value in out[name]])
+                out[name] = self._images(name, out[name], order)
         return out
 
     def _consumer_faulted(self, faults: int) -> bool:
@@ -551,9 +558,7 @@ class CachedDataset:
         complete = self._complete
         if complete is None or self._faulting or self.release_mapped_bytes is not None:
             return None
-        given = getattr(indices, "array", None)  # make_loader's IndexBatch carries its array
-        index = np.asarray(indices if given is None or len(given) != len(indices) else given,
-                           dtype=np.int64)
+        index = _index_array(indices)
         with self._guard():
             pid, table = complete
             if pid != os.getpid() or not table.complete:  # a fork's copy, or a shard closed
@@ -571,8 +576,7 @@ class CachedDataset:
         out = {name: RaggedRows(values) if schema[name].kind == "ragged" else values
                for name, values in lists.items()}
         for name in self._encoded:
-            out[name] = (self._decode(name, out[name], index) if self.decode_images else
-                         [np.frombuffer(value, np.uint8) for value in out[name]])
+            out[name] = self._images(name, out[name], index)
         return out
 
     def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -597,9 +601,7 @@ class CachedDataset:
         ``(view, rows, batch array, positions, take)``, and decoding: the columns (encoded ones as the file's
         bytes), the rows in the order they come back (``None`` where nothing is left to
         decode), and the shards read (``_groups``)."""
-        given = getattr(indices, "array", None)  # make_loader's IndexBatch carries its array
-        indices = np.asarray(indices if given is None or len(given) != len(indices) else given,
-                             dtype=np.int64)
+        indices = _index_array(indices)
         low = int(indices.min()) if indices.size else 0
         if indices.size and (low < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
@@ -676,6 +678,13 @@ class CachedDataset:
                     for name, values in lists.items()})
         order = indices[stored] if storage_order and stored is not None and not in_order else indices
         return out, order, groups or []
+
+    def _images(self, name: str, values: list[Any], indices: np.ndarray) -> Any:
+        """An encoded column's rows as the batch gets them: decoded into one array, or (with
+        ``decode_images=False``) each row's bytes as a uint8 array viewing the shard."""
+        if self.decode_images:
+            return self._decode(name, values, indices)
+        return [np.frombuffer(value, np.uint8) for value in values]
 
     def _decode(self, name: str, values: list[Any], indices: np.ndarray) -> np.ndarray:
         """The decoded images of an encoded column, each decoded straight into its slot of one
