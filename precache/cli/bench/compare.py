@@ -267,7 +267,7 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
                 say(f"cached loader, workers={w}" + (f" ({kind})" if w else ""))
                 cached.append(dict(workers=w, worker_kind=kind, batch_size=batch_size,
                                    **asdict(measure_cached(path, columns, batch_size, w, seconds,
-                                                           "auto" if not w else kind))))
+                                                           _asked_kind(w, kind)))))
             if not image_problem:
                 say(f"per-file loader, workers={w}")
                 color = len(schema["image"].shape) == 3 or schema["image"].kind == "bytes"
@@ -282,8 +282,8 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
             trials.append(dict(workers=best["workers"], worker_kind=best["worker_kind"],
                                batch_size=b,
                                **asdict(measure_cached(path, columns, b, best["workers"],
-                                                       seconds, "auto" if not best["workers"]
-                                                       else best["worker_kind"]))))
+                                                       seconds, _asked_kind(best["workers"],
+                                                                            best["worker_kind"])))))
         if arrays:
             say("limit: NumPy gather (second half)")
             limit_runs.append(measure_gather(arrays, batch_size, seconds / 2))
@@ -314,3 +314,8 @@ def bench_loader(cache: str | os.PathLike[str], *, batch_size: int = 256,
     result["worker_rss"] = _worker_rss(cached)
     result["notes"] = _notes(columns, limited, image_problem)
     return result
+
+
+def _asked_kind(workers: int, kind: str) -> str:
+    """``make_loader``'s ``worker_kind`` for a row of the report (``"none"`` without workers)."""
+    return kind if workers else "auto"

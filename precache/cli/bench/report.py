@@ -61,7 +61,8 @@ def format_report(result: dict[str, Any]) -> str:
     rows = []
     for c in r["cached"]:
         p = files.get(c["workers"], {})
-        rows.append([str(c["workers"]), c.get("worker_kind", "-"), _rate(c["epoch1"]), _ratio(c["epoch1_fraction_of_limit"]),
+        rows.append([str(c["workers"]), c.get("worker_kind", "-"), _rate(c["epoch1"]),
+                     _ratio(c["epoch1_fraction_of_limit"]),
                      _rate(c["epoch2"]), _epochs(c), _ratio(c["fraction_of_limit"]),
                      _rate(p.get("epoch1")), _rate(p.get("epoch2")),
                      _epochs(p) if p else "-", _ratio(c["vs_per_file"], "x")])
