@@ -52,13 +52,15 @@ class Loader(Protocol):
     ``precache.training.text.BucketLoader``). ``consumed`` counts samples this rank trained on in
     the epoch since it started or was resumed."""
 
-    loader: Any  # make_loader's CacheLoader (its num_workers, worker_kind)
+    num_workers: int  # loader threads or processes (the run record, the CPU threads left)
+    worker_kind: str  # "threads", "processes" or "none"
 
     def set_epoch(self, epoch: int) -> None: ...
     def start_epoch(self, epoch: int) -> None: ...
     def state_dict(self, consumed: int) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def __iter__(self) -> Iterator[Any]: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -182,7 +184,7 @@ def fit(task: Task, settings: Settings) -> None:
     run = Run(settings, rank, world, device, precision, amp_dtype)
     out = Path(settings.out)
     data = task.data(run)
-    loader, workers = data.loader, data.loader.num_workers  # threads or processes (CacheLoader)
+    loader, workers = data.loader, data.loader.num_workers
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
     if device.type == "cpu":  # the cores left to this rank after its loader workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world - workers))
@@ -217,7 +219,7 @@ def fit(task: Task, settings: Settings) -> None:
     encoded = bool(getattr(cached, "encoded_columns", None))  # a CachedDataset's JPEG columns
     decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
     log.run(device=device.type, world_size=world, workers=workers,
-            worker_kind=getattr(loader, "worker_kind", "processes"),
+            worker_kind=loader.worker_kind,
             images_decoded_on=decoded_on, cpus=os.cpu_count(),
             batch_size=settings.batch_size, accumulate=settings.accumulate, precision=precision,
             cpu_bf16=cpu_has_native_bf16(), compile=settings.compile,
@@ -301,8 +303,7 @@ def fit(task: Task, settings: Settings) -> None:
             keys_log.flush()
         if done:
             break
-    if hasattr(loader, "close"):
-        loader.close()  # its reading threads, before the datasets they read close
+    loader.close()  # its reading threads, before the datasets they read close
     task.close()  # shard buffers go now, not during the interpreter's teardown
     log.close()
     # What holds the process group (the wrapped model, a sharded optimizer, the reference cycles
