@@ -29,6 +29,12 @@ FLIPS = {"landmarks5": topology.LANDMARKS5_FLIP, "mesh": topology.MESH_FLIP,
          "regions": topology.REGION_FLIP, "region_sizes": topology.REGION_FLIP}
 
 
+OFF_DIAGONAL = 1e-5
+"""Added to every colour matrix's red-from-green term (below 1/300 of a grey level). For a
+diagonal matrix ``cv2.transform`` takes an exact but scalar path (30-44 us a 128 px crop); for any
+other its vectorised fixed-point one (7 us), which full hue/saturation matrices already take and
+which rounds 3% of pixels one grey level differently from exact arithmetic."""
+
 _OPENCV_PINNED = [0]  # the pid of the process whose OpenCV was set to one thread
 
 
@@ -51,15 +57,22 @@ def apply_opencv(batch: dict[str, Any], draws: FaceDraws,
     matrices = geometry_matrices(draws, width, height)
     coloured, holed = draws.color | draws.hue_sat, draws.hole_on.any(axis=1)
     colours = colour_matrices(draws) if coloured.any() else None
+    if colours is not None:
+        colours[:, 0, 1] += OFF_DIAGONAL
     holes = hole_boxes(draws, width, height) if holed.any() else None
     picks = region_picks(batch, draws, region_rows)
     flags = np.stack([draws.affine, draws.flip, coloured, draws.blur, holed,
                       (picks >= 0).any(axis=1)], axis=1).tolist()
     out = np.empty_like(images)
+    # The crop a region step edits or a warp reads, copied in order first: a rotated warp reads
+    # its source across rows, and from the CPU's cache it takes ~55 us at 128 px, not ~75 us.
+    scratch = np.empty_like(images[0]) if n else None
     for i, (affine, flip, colour, blur, cutout, regional) in enumerate(flags):
         image, dst = images[i], out[i]
+        if regional or affine:
+            np.copyto(scratch, image)
+            image = scratch
         if regional:
-            image = image.copy()
             _edit_regions(image, batch["regions"][i], picks[i], draws, i)
         if affine:
             cv2.warpAffine(image, matrices[i], (width, height), dst=dst, flags=cv2.INTER_LINEAR,
@@ -105,7 +118,7 @@ def move_points(batch: dict[str, Any], matrices: np.ndarray, flip: np.ndarray,
     then re-indexed where flipped, so that names keep meaning the same side of the face."""
     out: dict[str, np.ndarray] = {}
     n = len(matrices)
-    linear, offset = matrices[:, :, :2].transpose(0, 2, 1), matrices[:, None, :, 2]
+    m = matrices.astype(np.float32, copy=False)[:, :, :, None]  # (n, 2, 3, 1) against (n, points)
     flipped = flip.any()
     for key in (*POINT_KEYS, "region_sizes"):
         if batch.get(key) is None:
@@ -113,7 +126,11 @@ def move_points(batch: dict[str, Any], matrices: np.ndarray, flip: np.ndarray,
         values = np.asarray(batch[key])
         if key != "region_sizes":
             points = values.astype(np.float32, copy=False).reshape(n, -1, 2)
-            values = (points @ linear + offset).reshape(values.shape)
+            x, y = points[:, :, 0], points[:, :, 1]
+            moved = np.empty_like(points)  # elementwise: 4x faster than a stacked (2 x 2) matmul
+            moved[:, :, 0] = x * m[:, 0, 0] + y * m[:, 0, 1] + m[:, 0, 2]
+            moved[:, :, 1] = x * m[:, 1, 0] + y * m[:, 1, 1] + m[:, 1, 2]
+            values = moved.reshape(values.shape)
         elif flipped:
             values = values.copy()
         if flipped:
@@ -150,6 +167,7 @@ def _edit_regions(image: np.ndarray, regions: np.ndarray, picks: np.ndarray, dra
             matrix = np.zeros((3, 4), np.float32)
             matrix[[0, 1, 2], [0, 1, 2]] = draws.region_gain[i]
             matrix[:, 3] = draws.region_bias[i]
+            matrix[0, 1] = OFF_DIAGONAL
             edited = cv2.transform(crop, matrix)
         elif step == 1:
             edited = cv2.GaussianBlur(crop, (2 * margin + 1,) * 2, sigma)
