@@ -8,6 +8,10 @@ dropped when the disk queue is busy. So a thread reads each shard a batch has to
 ``sendfile`` to ``/dev/null`` makes the kernel read the file into the page cache without
 copying it into this process (no buffer, no private memory; the GIL is released while it
 waits on the disk). After the first batches, every row is served from memory.
+
+Several threads read at once: one file at a time leaves the disk one request deep, and small
+shards are read no faster than they are requested (782 files of 290 KB: 0.32-0.35 s with one
+thread, 0.22-0.23 s with four, where one 210 MB file took 0.10-0.16 s).
 """
 
 from __future__ import annotations
@@ -22,18 +26,24 @@ __all__ = ["ShardWarmer"]
 _CHUNK = 4 << 20
 """Bytes per ``sendfile`` call."""
 
+THREADS = 4
+"""Files read at once (each thread waits on the disk with the GIL released)."""
+
 
 class ShardWarmer:
-    """Reads the files it is given, each once, in the order given, in a daemon thread.
+    """Reads the files it is given, each once, about in the order given, in ``threads``
+    daemon threads.
 
     Create it in the process that reads (a thread does not survive a fork).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = THREADS) -> None:
         self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._seen: set[Path] = set()
-        self._thread = threading.Thread(target=self._run, name="precache-warm", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name="precache-warm", daemon=True)
+                         for _ in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def warm(self, path: Path) -> None:
         """Queue ``path`` to be read, unless it was queued before."""
@@ -42,8 +52,9 @@ class ShardWarmer:
             self._queue.put(path)
 
     def close(self) -> None:
-        """Stop after the file being read."""
-        self._queue.put(None)
+        """Stop after the files being read."""
+        for _ in self._threads:
+            self._queue.put(None)
 
     def _run(self) -> None:
         sink = os.open(os.devnull, os.O_WRONLY)
