@@ -348,7 +348,7 @@ class CachedDataset:
             self._warming_all = os.getpid()
             warmer = self._shard_warmer()
             for shard in range(len(self._cache.manifest.shards)):
-                warmer.warm(self._cache.shard_path(shard))
+                warmer.warm(self._cache.shard_path(shard, look=False))
 
     def _shard_warmer(self) -> ShardWarmer:
         if self._warmer is None or self._warmer_pid != os.getpid():  # none, or the parent's
@@ -465,7 +465,7 @@ class CachedDataset:
             info = self._cache.manifest.shards[shard]
             tail = _FOOTER_BYTES + 8 * info.rows * self._tail_columns
             try:
-                fd = os.open(self._cache.shard_path(shard), os.O_RDONLY)
+                fd = os.open(self._cache.shard_path(shard, look=False), os.O_RDONLY)
             except OSError:
                 continue  # opening it says what is wrong
             try:
