@@ -290,20 +290,12 @@ def make_loader(
     batches: Any = ReadAheadBatches(sampler, batch_size, workers if read_ahead else 0)
     if not read_ahead:
         batches = BatchSampler(sampler, batch_size, drop_last=False)
-    if kind == "threads":
+    if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
         threaded = ThreadedBatches(dataset, batches, collate_fn or collate_samples, workers,
                                    prefetch_factor or 2, pin, batch_transform)
         return CacheLoader(threaded, sampler, batch_size, worker_kind=(kind, workers, reason))
-    generator = torch.Generator()
+    generator = torch.Generator()  # worker processes: their seeds
     generator.manual_seed(seed * 1_000_003 + sampler.rank)
-    options: dict[str, Any] = {}
-    if workers > 0:
-        options.update(
-            persistent_workers=True if persistent_workers is None else persistent_workers,
-            prefetch_factor=prefetch_factor or 2,
-            worker_init_fn=_pin_worker_threads,
-            multiprocessing_context=multiprocessing_context,
-        )
     loader = DataLoader(
         dataset,
         batch_sampler=batches,
@@ -311,7 +303,10 @@ def make_loader(
         collate_fn=_then(collate_fn or collate_samples, batch_transform),
         pin_memory=pin,
         generator=generator,
-        **options,
+        persistent_workers=True if persistent_workers is None else persistent_workers,
+        prefetch_factor=prefetch_factor or 2,
+        worker_init_fn=_pin_worker_threads,
+        multiprocessing_context=multiprocessing_context,
     )  # no drop_last: the sampler already gives every rank the same count
     return CacheLoader(loader, sampler, batch_size, worker_kind=(kind, workers, reason))
 

@@ -61,6 +61,35 @@ def test_threads_hand_out_the_batches_the_loop_would_read_itself_and_resume_exac
     resumed.close()
 
 
+def test_without_workers_the_loop_reads_each_batch_when_it_asks_as_a_dataloader_would(cache):
+    from torch.utils.data import DataLoader
+
+    from precache.loading.loader import collate_samples
+
+    dataset = CachedDataset(cache, columns=COLUMNS)
+    loader = make_loader(dataset, 4, num_workers=0, seed=3)
+    assert loader.worker_kind == "none"
+    readers = []
+    read = dataset.__getitems__
+    dataset.__getitems__ = lambda indices: readers.append(threading.current_thread()) or read(
+        indices)
+    loader.set_epoch(1)
+    batches = iter(loader)
+    first = next(batches)
+    assert readers == [threading.main_thread()]  # one batch, read by the loop, nothing ahead
+    got = [first, *batches]
+    assert len(readers) == len(got) and set(readers) == {threading.main_thread()}
+
+    del dataset.__getitems__
+    loader.set_epoch(1)  # the same batches through torch's own single-process DataLoader
+    torch_batches = list(DataLoader(dataset, batch_sampler=loader.batch_sampler,
+                                    collate_fn=collate_samples))
+    assert [list(b["key"]) for b in got] == [list(b["key"]) for b in torch_batches]
+    for a, b in zip(got, torch_batches):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["orig_width"],
+                                                                   b["orig_width"])
+
+
 def test_concurrent_batches_get_their_own_rows_while_shards_are_closed_and_reopened(cache):
     everything = precache.Cache(cache).read_all(COLUMNS)
     reference = CachedDataset(cache, columns=COLUMNS)
