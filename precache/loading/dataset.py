@@ -408,8 +408,11 @@ class CachedDataset:
         if a shard holds one of them otherwise (an older cache): then they are read by shard."""
         table = self._readers.row_table(("rows", *names), lambda: RowTable(
             names, [name in self._encoded for name in names], self._first, self._row))
-        if table.usable and (table.complete or table.ready[self._shard[indices]].all()
-                             or self._fill(table, self._shard[indices])):
+        ready = table.complete
+        if table.usable and not ready:
+            shard_ids = self._shard[indices]  # (not needed once every shard is ready)
+            ready = bool(table.ready[shard_ids].all()) or self._fill(table, shard_ids)
+        if table.usable and ready:
             self._mapped_read += int(table.row_bytes * len(indices))  # about
             if table.complete and names == self.columns:
                 self._complete = (os.getpid(), table)
