@@ -287,9 +287,8 @@ def make_loader(
                                       shard_window=shard_window, rank=rank, world_size=world_size)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
-    batches: Any = ReadAheadBatches(sampler, batch_size, workers if read_ahead else 0)
-    if not read_ahead:
-        batches = BatchSampler(sampler, batch_size, drop_last=False)
+    batches: Any = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
+                    BatchSampler(sampler, batch_size, drop_last=False))
     if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
         threaded = ThreadedBatches(dataset, batches, collate_fn or collate_samples, workers,
                                    prefetch_factor or 2, pin, batch_transform)
