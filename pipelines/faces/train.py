@@ -9,8 +9,9 @@ Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented cr
 ``precache.training.landmarks.LandmarkNet`` (smooth L1); every 10th crop is held out (``val_l1``).
 ``FaceAugment`` augments each batch where it lives after the loader (per uint8 crop with OpenCV on
 a CPU, over the whole batch on a GPU), so the loader ships the cached columns whole; on a GPU,
-JPEG crops travel as their bytes and are decoded there (nvJPEG). ``--augment-on loader`` has the
-loader's workers decode and augment instead (cheaper for small batches on a GPU).
+JPEG crops travel as their bytes and are decoded there (nvJPEG). ``--decode-on loader`` has the
+loader's workers decode them on every core instead (augmenting still on the GPU);
+``--augment-on loader`` has them decode and augment (cheaper for small batches on a GPU).
 The loop is ``precache.training.loop.fit``: strategies, precision, accumulation, clipping, the
 OneCycle schedule by progress, the step timeline, and resume on another number of ranks.
 """
@@ -24,10 +25,10 @@ from torch import nn
 from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
-from precache.loading import (CachedDataset, DevicePrefetcher, decode_images, decodes_on,
-                              make_loader)
-from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP,
-                                         LandmarkNet, batch_to_inputs)
+from precache.loading import CachedDataset, DevicePrefetcher, decode_images, make_loader
+from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP, DECODE_ON,
+                                         DECODE_ON_HELP, LandmarkNet, batch_to_inputs,
+                                         decode_in_loader)
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 
@@ -37,14 +38,18 @@ class Landmarks(Task):
 
     Args:
         augment_on: ``"device"`` or ``"loader"`` (``AUGMENT_ON_HELP``).
+        decode_on: ``"device"`` or ``"loader"``: where JPEG crops are decoded on a GPU
+            (``DECODE_ON_HELP``).
     """
 
     channels_last = True
 
-    def __init__(self, augment_on: str = "device") -> None:
+    def __init__(self, augment_on: str = "device", decode_on: str = "device") -> None:
         if augment_on not in AUGMENT_ON:
             raise ValueError(f"augment_on must be one of {AUGMENT_ON}, not {augment_on!r}")
-        self.augment_on = augment_on
+        if decode_on not in DECODE_ON:
+            raise ValueError(f"decode_on must be one of {DECODE_ON}, not {decode_on!r}")
+        self.augment_on, self.decode_on = augment_on, decode_on
 
     def data(self, run: Run) -> TrainData:
         s = run.settings
@@ -53,8 +58,8 @@ class Landmarks(Task):
         columns = AUGMENT_COLUMNS + ["key"] if s.log_keys else AUGMENT_COLUMNS
         in_loader = self.augment_on == "loader"
         # JPEG crops (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
-        self.train_set = CachedDataset(s.cache, columns=columns,
-                                       decode_images=in_loader or not decodes_on(run.device))
+        self.train_set = CachedDataset(s.cache, columns=columns, decode_images=decode_in_loader(
+            run.device, self.decode_on, in_loader))
         self.augment = FaceAugment(seed=s.seed * 100_003 + run.rank)  # a stream per rank
         self.val_loader = make_loader(Subset(self.full, range(0, len(self.full), 10)),
                                       s.batch_size, shuffle=False, num_workers=0)
@@ -98,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     p = training_parser(__doc__, out="runs/faces", lr=2e-3, items="crops",
                         cache_help="a cache of the faces pipeline")
     p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
+    p.add_argument("--decode-on", choices=DECODE_ON, default="device", help=DECODE_ON_HELP)
     args = p.parse_args(argv)
-    fit(Landmarks(args.augment_on), Settings.from_args(args))
+    fit(Landmarks(args.augment_on, args.decode_on), Settings.from_args(args))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ from torch.utils.data import Subset
 from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_nchw,
-                              collate_clips, decode_images, decodes_on, make_loader)
+                              collate_clips, decode_images, make_loader)
 from precache.processing.ops.labels import Labels
-from precache.training.landmarks import AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP
+from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP, DECODE_ON,
+                                         DECODE_ON_HELP, decode_in_loader)
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 from precache.training.video_eval import aggregate, held_out, log_loss, roc_auc
@@ -116,7 +117,7 @@ class VideoClassification(Task):
         self.augment = None if a.no_augment else frame_augment(s.seed * 100_003 + run.rank)
         in_loader = a.augment_on == "loader" and self.augment is not None
         # JPEG frames (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
-        decode = in_loader or not decodes_on(run.device)
+        decode = decode_in_loader(run.device, a.decode_on, in_loader)
         self.train_set = VideoFrameDataset(
             s.cache, frames_per_video=a.frames_per_video, columns=columns,
             seed=s.seed, decode_images=decode) if a.mode == "frames" else ClipDataset(
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-augment", action="store_true",
                    help="train on the cached crops as they are")
     p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
+    p.add_argument("--decode-on", choices=DECODE_ON, default="device", help=DECODE_ON_HELP)
     args = p.parse_args(argv)
     fit(VideoClassification(args), Settings.from_args(args))
 

@@ -176,9 +176,10 @@ def _timed_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]
                 "which decode the JPEG crops on the GPU and augment them there",
                 "a larger --batch-size: their cost is mostly per batch, not per crop (a few "
                 "hundred kernel launches; on an H100 ~12 ms for 32 frames of 128 px, ~37 ms "
-                "for 256 crops of 224 px); or decode and augment in the loader's workers on the "
-                "CPU (the face trainers' --augment-on loader; in code, CachedDataset(..., "
-                "decode_images=True) and make_loader(..., batch_transform=FaceAugment(...)))"))
+                "for 256 crops of 224 px); or decode in the loader's workers on every core "
+                "(the face trainers' --decode-on loader; in code, CachedDataset(..., "
+                "decode_images=True)), and augment there too (--augment-on loader; "
+                "make_loader(..., batch_transform=FaceAugment(...)))"))
         elif not config.get("pin_memory"):
             found.append(Finding("pin-memory", evidence + " from pageable memory",
                                  "pin_memory=True in the DataLoader and .to(device, "

@@ -15,9 +15,10 @@ from torch import nn
 
 from precache.augment import FaceAugment
 from precache.loading.device import as_nchw
+from precache.loading.image_decode import decodes_on
 
 __all__ = ["AUGMENT_COLUMNS", "AUGMENT_ON", "AUGMENT_ON_HELP", "AugmentForTraining",
-           "LandmarkNet", "batch_to_inputs"]
+           "DECODE_ON", "DECODE_ON_HELP", "LandmarkNet", "batch_to_inputs", "decode_in_loader"]
 
 AUGMENT_COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # FaceAugment's
 AUGMENT_ON = ("device", "loader")  # the face trainers' --augment-on
@@ -28,6 +29,25 @@ AUGMENT_ON_HELP = (
     "batches. loader: in the loader's workers, on the CPU (OpenCV), the crops decoded there; "
     "with worker threads the draws are shared by the threads, so which batch gets which draw "
     "varies from run to run (--worker-kind processes, or --augment-on device, repeat exactly)")
+
+
+DECODE_ON = ("device", "loader")  # the face trainers' --decode-on
+DECODE_ON_HELP = (
+    "where JPEG crops (stage 1's image_codec=jpeg) are decoded when the model is on a GPU. "
+    "device: nvJPEG there, one call per batch; the crops travel as their bytes (5-10x smaller), "
+    "but the decoder's host side serves one batch at a time (~14,500 crops of 224 px/s on an "
+    "H100 through torchvision). loader: libjpeg-turbo in the loader's workers, on every core at "
+    "once (~3,800 such crops/s per core), then the pixels travel; FaceAugment still runs where "
+    "--augment-on says. On a CPU, or with --augment-on loader, crops are decoded in the loader")
+
+
+def decode_in_loader(device: torch.device | str, decode_on: str, augment_in_loader: bool) -> bool:
+    """Whether the face trainers' loader decodes JPEG crops (``CachedDataset(decode_images=...)``):
+    when asked to (``--decode-on loader``), when the loader augments them, or when the device
+    cannot (a CPU, or a GPU without a GPU decoder installed)."""
+    if decode_on not in DECODE_ON:
+        raise ValueError(f"decode_on must be one of {DECODE_ON}, not {decode_on!r}")
+    return augment_in_loader or decode_on == "loader" or not decodes_on(device)
 
 
 class AugmentForTraining:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 25's GPU checks in one go on a CUDA machine with PyTorch (e.g. one H100; ~6 minutes):
-# the CUDA tests, bench_gpu.py (nvJPEG decode + FaceAugment at 224 px), and the data wait of the
+# the CUDA tests, bench_gpu.py (nvJPEG or CPU decode + FaceAugment at 224 px), the faces trainer
+# decoding on the GPU and in its loader, and the data wait of the
 # MiniLM fine-tune and the video classifier with loader threads and with worker processes.
 #
 #   bash tests/benchmarks/gpu_checks.sh prepare     # here: caches and wheels into .gpu/
@@ -61,8 +62,11 @@ run() {
     echo "== bench_gpu"
     timeout 200 python tests/benchmarks/bench_gpu.py --rows 15360 --size 224 --epochs 3 \
         --profile --keep "$W/faces" >"$OUT/bench_gpu.log" 2>&1; grep -E "^part|^reader|/s " "$OUT/bench_gpu.log" | grep -v "^epoch"
-    train faces-threads pipelines/faces/train.py --cache "$W/faces/cache-jpeg" --epochs 2 \
-        --batch-size 256 --precision bf16 --workers 4 --timeline-every 5
+    for decode in device loader; do  # nvJPEG, or libjpeg-turbo in 15 loader threads
+        train "faces-decode-$decode" pipelines/faces/train.py --cache "$W/faces/cache-jpeg" \
+            --epochs 2 --batch-size 256 --precision bf16 --workers 15 --decode-on "$decode" \
+            --timeline-every 5
+    done
     python - <<'EOF'
 from transformers import AutoConfig, AutoModel
 folder = ".gpu/minilm"

@@ -85,6 +85,7 @@ def test_runs_that_decode_and_augment_on_the_gpu_are_told_the_cost_is_per_batch(
     assert "device-inputs" in rules(found) and "smaller-transfers" not in rules(found)
     advice = next(f for f in found if f.rule == "device-inputs")
     assert "--batch-size" in advice.advice and "h2d" in advice.evidence
+    assert "--decode-on loader" in advice.advice
 
 
 def test_a_cuda_run_whose_gpu_waits_for_the_host_is_told_to_launch_less():
