@@ -148,7 +148,7 @@ def _data_wait_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Find
                                  "CachedDataset(..., decode_images=False), then "
                                  "precache.loading.decode_images(batch['image'], 'cuda'): the "
                                  "batch travels as JPEG bytes and nvJPEG decodes it (pip install "
-                                 "torchcodec)"))
+                                 "'precache[gpu]', TorchCodec)"))
         if config.get("transform_in_loader"):
             found.append(Finding("cache-the-transform", where + "; a transform runs in the loader",
                                  "move deterministic work into stage 1 (an op: it runs once, "

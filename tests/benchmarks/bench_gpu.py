@@ -141,6 +141,8 @@ def parts(cache: Path, device: torch.device, profile: bool) -> None:
 
     timed("decode only (decode_images, batches in memory)",
           lambda b: decode_images(b["image"], device), batches)
+    for name, decode in gpu_libraries(device).items():  # each installed library's decoder
+        timed(f"decode only, {name}", lambda b, d=decode: d(b["image"]), batches)
     on_device = []
     for batch in batches:
         moved = {k: torch.as_tensor(np.asarray(v)).to(device) for k, v in batch.items()
@@ -166,6 +168,30 @@ def parts(cache: Path, device: torch.device, profile: bool) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8), flush=True)
+
+
+def gpu_libraries(device: torch.device) -> dict[str, Callable[[list], Any]]:
+    """Each installed library's batched JPEG decoder on ``device`` (name with version -> decode
+    a list of byte arrays), to compare them in one run: ``decode_images`` uses the first."""
+    found: dict[str, Callable[[list], Any]] = {}
+    if device.type != "cuda":
+        return found
+    as_tensors = lambda rows: [torch.from_numpy(np.asarray(r)) for r in rows]  # noqa: E731
+    try:
+        import torchcodec
+        from torchcodec.decoders import decode_jpeg as codec_decode
+        found[f"torchcodec {torchcodec.__version__}"] = lambda rows: codec_decode(
+            as_tensors(rows), device=device)
+    except (ImportError, OSError, RuntimeError) as error:
+        print(f"torchcodec: not usable here ({type(error).__name__}: {error})", flush=True)
+    try:
+        import torchvision
+        from torchvision.io import decode_jpeg as vision_decode
+        found[f"torchvision {torchvision.__version__}"] = lambda rows: vision_decode(
+            as_tensors(rows), device=device)
+    except (ImportError, OSError, RuntimeError) as error:
+        print(f"torchvision: not usable here ({type(error).__name__}: {error})", flush=True)
+    return found
 
 
 def run_reader(epochs: Callable[[int], Any], rows: int, number: int, device: torch.device) -> float:

@@ -10,7 +10,8 @@
 # `prepare` needs the dev install (.venv): it builds a text cache of data/make_corpus.py's
 # corpus and a video-faces cache (JPEG crops) of data/make_videos.py's videos, copies MiniLM's
 # config and tokenizer (not its weights: the machine may take little data along; `run` gives
-# the model random weights, which changes no step time) and downloads simplejpeg's wheel.
+# the model random weights, which changes no step time) and downloads the wheels of simplejpeg
+# and TorchCodec (precache.loading.decode_images prefers it to torchvision on a GPU).
 # `run` installs that wheel, runs everything with precache from this folder on PYTHONPATH, and
 # writes logs and metrics under OUT.
 set -uo pipefail
@@ -32,6 +33,10 @@ prepare() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$G/wheels" simplejpeg==1.9.0
+    # TorchCodec (CUDA 13 wheels on PyPI, torch >= 2.11): batched nvJPEG with the hardware
+    # decoder of an A100/H100, which torchvision's decode_jpeg does not use
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 -d "$G/wheels" torchcodec==0.17.0
     du -sh "$G"
 }
 
@@ -55,6 +60,7 @@ run() {
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
     nvidia-smi -L; nproc
     python -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.get_device_name())"
+    python -c "import torchcodec.decoders; print('torchcodec', torchcodec.__version__)" 2>&1 | tail -1
     echo "== CUDA tests"
     timeout 120 python -m pytest -q -o addopts="" -p no:cacheprovider -k "cuda or gpu" \
         tests/precache/augment/test_face_augment_cuda.py tests/precache/loading/test_threaded.py \
