@@ -135,9 +135,23 @@ def collate_samples(samples: list[Sample]) -> dict[str, Any]:
     """``default_collate``, except that a ``CachedBatch`` becomes tensors that share its arrays'
     memory (one copy fewer per batch)."""
     if isinstance(samples, CachedBatch):
-        return {name: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+        return {name: _shared_tensor(values) if isinstance(values, np.ndarray) else values
                 for name, values in samples.columns.items()}
     return default_collate(samples)
+
+
+def _shared_tensor(values: np.ndarray) -> torch.Tensor:
+    """``values`` as a tensor with its memory: the tensor it is whole of, where it is one (a
+    thread loader's ``pinned_empty`` array: a non-blocking copy to the GPU then tells the
+    pinned allocator which block it reads, so the block is not reused before the copy is
+    done), else ``torch.from_numpy``."""
+    tensor = torch.from_numpy(values)
+    base = values.base
+    if (isinstance(base, torch.Tensor) and base.data_ptr() == tensor.data_ptr()
+            and base.dtype == tensor.dtype and base.shape == tensor.shape
+            and base.stride() == tensor.stride()):
+        return base
+    return tensor
 
 
 def _index_array(indices: Sequence[int]) -> np.ndarray:
@@ -506,7 +520,8 @@ class CachedDataset:
                 for k, name in enumerate(names)}
 
     def read_batch(self, indices: Sequence[int], ahead: Sequence[int] | None = None,
-                   storage_order: bool = False) -> dict[str, Any]:
+                   storage_order: bool = False,
+                   empty: Callable[..., np.ndarray] = np.empty) -> dict[str, Any]:
         """Columns of the given rows: arrays of shape (len(indices), ...), in the given order.
 
         Args:
@@ -517,13 +532,16 @@ class CachedDataset:
                 row) instead: each mapped column is then copied once, straight into the batch,
                 not gathered and then put in order (a shuffled batch is as random either way).
                 ``make_loader``'s batches ask for it.
+            empty: ``empty(shape, dtype)`` makes each fixed-shape column's array and the
+                decoded images' array (``ThreadedBatches`` passes ``pinned_empty`` when it pins:
+                the batch is gathered and decoded straight into page-locked memory).
 
         Safe to call from several threads at once: which shards to open, and the row tables,
         are handled under this dataset's lock; the copies of mapped rows into the batch and the
         decoding of encoded images run outside it, in parallel (the views keep their files
         mapped even if another thread closes a reader meanwhile).
         """
-        fast = self._read_complete(indices)
+        fast = self._read_complete(indices, empty)
         if fast is not None:
             return fast
         copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]] = []
@@ -531,7 +549,7 @@ class CachedDataset:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             if self._consumer_faulted(faults):
                 self._faulting = True
-            out, order, groups = self._gather(indices, ahead, storage_order, copies)
+            out, order, groups = self._gather(indices, ahead, storage_order, copies, empty)
         for view, rows, batch, positions, take in copies:  # without the GIL: in parallel
             if take:  # rows are in range (checked): "clip" only spares take a copy
                 np.take(view, rows, axis=0, out=batch[positions], mode="clip")
@@ -542,7 +560,7 @@ class CachedDataset:
                 self._after_gather(faults, groups)
         for name in self._encoded:
             if name in out and order is not None:
-                out[name] = self._images(name, out[name], order)
+                out[name] = self._images(name, out[name], order, empty)
         return out
 
     def _consumer_faulted(self, faults: int) -> bool:
@@ -554,7 +572,8 @@ class CachedDataset:
         return faults > self._faults_at_return and not (
             self._warm_whole_shards and self._warming_all == os.getpid())
 
-    def _read_complete(self, indices: Sequence[int]) -> dict[str, Any] | None:
+    def _read_complete(self, indices: Sequence[int],
+                       empty: Callable[..., np.ndarray]) -> dict[str, Any] | None:
         """A batch of a warm cache whose requested columns are all variable-length and served
         by a complete ``RowTable``: one table read, none of ``_gather``'s groups and checks
         (they cost a fifth of the rows' own time on a 256-row batch). ``None`` otherwise."""
@@ -579,7 +598,7 @@ class CachedDataset:
         out = {name: RaggedRows(values) if schema[name].kind == "ragged" else values
                for name, values in lists.items()}
         for name in self._encoded:
-            out[name] = self._images(name, out[name], index)
+            out[name] = self._images(name, out[name], index, empty)
         return out
 
     def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -598,6 +617,7 @@ class CachedDataset:
 
     def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None, storage_order: bool,
                 copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]],
+                empty: Callable[..., np.ndarray] = np.empty,
                 ) -> tuple[dict[str, Any], np.ndarray | None,
                            list[tuple[int, np.ndarray, np.ndarray]]]:
         """``read_batch`` but for the copies of mapped rows, which it appends to ``copies`` as
@@ -609,7 +629,9 @@ class CachedDataset:
         if indices.size and (low < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} rows")
         if self.resident:
-            return {name: (values[indices] if values.dtype.kind != "U" else values[indices].tolist())
+            return {name: (np.take(values, indices, axis=0, mode="wrap",  # (checked above)
+                                   out=empty((len(indices), *values.shape[1:]), values.dtype))
+                           if values.dtype.kind != "U" else values[indices].tolist())
                     for name, values in self._resident_columns().items()}, None, []
         if low < 0:
             indices = np.where(indices < 0, indices + len(self), indices)
@@ -618,7 +640,7 @@ class CachedDataset:
         for name in self.columns:  # fixed-shape columns: filled in place
             spec = schema[name]
             if spec.kind in ("ndarray", "scalar"):
-                out[name] = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
+                out[name] = empty((len(indices), *spec.shape), np.dtype(spec.dtype))
         listed = [name for name in self.columns if name not in out]
         # a few rows of each of many shards: list columns row by row, in the order asked for
         row_by_row = bool(listed) and (not out or not storage_order) and (
@@ -682,14 +704,16 @@ class CachedDataset:
         order = indices[stored] if storage_order and stored is not None and not in_order else indices
         return out, order, groups or []
 
-    def _images(self, name: str, values: list[Any], indices: np.ndarray) -> Any:
+    def _images(self, name: str, values: list[Any], indices: np.ndarray,
+                empty: Callable[..., np.ndarray] = np.empty) -> Any:
         """An encoded column's rows as the batch gets them: decoded into one array, or (with
         ``decode_images=False``) each row's bytes as a uint8 array viewing the shard."""
         if self.decode_images:
-            return self._decode(name, values, indices)
+            return self._decode(name, values, indices, empty)
         return [np.frombuffer(value, np.uint8) for value in values]
 
-    def _decode(self, name: str, values: list[Any], indices: np.ndarray) -> np.ndarray:
+    def _decode(self, name: str, values: list[Any], indices: np.ndarray,
+                empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
         """The decoded images of an encoded column, each decoded straight into its slot of one
         ``(n, h, w, 3)`` uint8 array (crops of one cache share a size). ``indices``: the rows,
         for messages."""
@@ -698,14 +722,17 @@ class CachedDataset:
             return f"{self.path}: row {index} (shard {int(self._shard[index])}), column {name!r}"
 
         try:
-            return decode_into_batch(values, where)
+            return decode_into_batch(values, where, empty)
         except ValueError as error:
             raise ValueError(f"{error}; run `precache verify {self.path}`") from None
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        # make_loader's IndexBatch: a later batch of this worker, and any order will do
+        # make_loader's IndexBatch: a later batch of this worker, and any order will do; and
+        # ThreadedBatches' pinned allocation (not for a transform: its samples are re-stacked)
+        empty = getattr(indices, "empty", None) if self.transform is None else None
         batch = self.read_batch(indices, ahead=getattr(indices, "ahead", None),
-                                storage_order=getattr(indices, "storage_order", False))
+                                storage_order=getattr(indices, "storage_order", False),
+                                empty=empty or np.empty)
         if self.transform is None:
             return CachedBatch(batch, len(indices))
         samples = [{name: values[i] for name, values in batch.items()} for i in range(len(indices))]

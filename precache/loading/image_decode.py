@@ -63,9 +63,11 @@ def decodes_on(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and gpu_decoder() is not None
 
 
-def decode_into_batch(rows: Sequence[Any], where: Callable[[int], str]) -> np.ndarray:
+def decode_into_batch(rows: Sequence[Any], where: Callable[[int], str],
+                      empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
     """Each row decoded on this CPU straight into its slot of one preallocated ``(n, h, w, 3)``
-    uint8 array (no list of arrays, no stack).
+    uint8 array (no list of arrays, no stack), made by ``empty(shape, dtype)`` (a thread
+    loader's pinned memory: the copy to the GPU reads the decoded batch where it is).
 
     Raises:
         ValueError: row ``i`` is not a decodable image of the first row's size; the message
@@ -77,7 +79,7 @@ def decode_into_batch(rows: Sequence[Any], where: Callable[[int], str]) -> np.nd
         try:
             if batch is None:
                 first = decode_image(data)
-                batch = np.empty((len(rows), *first.shape), dtype=np.uint8)
+                batch = empty((len(rows), *first.shape), np.uint8)
                 batch[0] = first
             else:
                 decode_image(data, out=batch[i])

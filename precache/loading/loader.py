@@ -8,7 +8,9 @@ What it sets, and why:
   machine with one core per rank). Cached batches are cheap: on 2 cores the main process alone
   was faster than 2 workers (every batch crosses shared memory). ``precache bench`` measures it;
 - each worker pins OpenMP/BLAS/OpenCV/torch to one thread, so workers do not fight;
-- ``pin_memory`` when CUDA is present (``tensor.pin_memory()`` fails without it);
+- ``pin_memory`` when CUDA is present (``tensor.pin_memory()`` fails without it); worker
+  threads then read each batch straight into pinned memory (``ThreadedBatches``), so it is not
+  copied a second time to be pinned;
 - ``persistent_workers`` (no worker start-up, no re-opened shards each epoch) and seeded workers
   (a generator seeded from ``seed`` and the rank, so augmentations differ across ranks and
   workers and repeat across runs);
@@ -63,11 +65,14 @@ class IndexBatch(list):
     read (``None`` near the end of the epoch), and ``storage_order``: the dataset may return
     the samples in the order it stores them (the batch holds the same samples; a shuffled
     batch is as random in any order). ``array``: the same indices as an int64 array (a dataset
-    that reads batches need not convert the list back). A list, so every dataset and collate
-    accepts it; it keeps its attributes when pickled to a worker."""
+    that reads batches need not convert the list back). ``empty``: set by ``ThreadedBatches``
+    when it pins, the ``empty(shape, dtype)`` the dataset makes the batch's arrays with
+    (``pinned_empty``). A list, so every dataset and collate accepts it; it keeps its
+    attributes when pickled to a worker."""
 
     ahead: list[int] | None = None
     storage_order = True
+    empty: Callable[..., np.ndarray] | None = None
 
 
 class ReadAheadBatches(Sampler[list[int]]):
@@ -254,7 +259,9 @@ def make_loader(
         drop_last: drop up to world_size - 1 samples per epoch instead of repeating as many.
         shard_window: shuffle shards, then samples within windows of this many shards (reads
             stay local, e.g. for Parquet caches larger than memory); default: global shuffle.
-        pin_memory: default: when CUDA is available.
+        pin_memory: default: when CUDA is available. Worker threads read each batch straight
+            into pinned memory; worker processes' batches are pinned by the DataLoader, the
+            loop's own (``num_workers=0``) by a copy after reading.
         persistent_workers: default: when there are workers.
         prefetch_factor: batches each worker prepares ahead (torch's default 2).
         collate_fn: default: ``collate_samples``, torch's ``default_collate`` (dicts of stacked

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import precache
-from precache.loading import CachedDataset, decode_images, make_loader
+from precache.loading import CachedDataset, decode_images, make_loader, threaded
 from tests.helpers import build_cache, write_photos
 
 
@@ -29,9 +30,10 @@ def cache(tmp_path_factory):
 COLUMNS = ["key", "image", "orig_width"]
 
 
-def epoch(loader, number: int) -> list[dict]:
+def epoch(loader, number: int,
+          tensors: tuple[str, ...] | list[str] = ("image", "orig_width")) -> list[dict]:
     loader.set_epoch(number)
-    return [{"key": list(b["key"]), "image": b["image"].clone(), "orig_width": b["orig_width"]}
+    return [{"key": list(b["key"]), **{name: b[name].clone() for name in tensors}}
             for b in loader]
 
 
@@ -232,3 +234,174 @@ def test_the_gpu_decoders_batch_keeps_row_order_with_webp_rows_among_jpeg_ones(c
     out = _on_gpu(rows, torch.device("cpu"), "batch 0", chw)
     assert seen == [5]  # the JPEG rows in one call, the WebP row decoded apart
     np.testing.assert_array_equal(out.numpy(), expected)
+
+
+@pytest.fixture(scope="module")
+def dtypes_cache(tmp_path_factory):
+    """A fixed-shape column of every dtype a cache stores, two scalars, keys and JPEG crops."""
+    root = tmp_path_factory.mktemp("dtypes")
+    (root / "in").mkdir()
+    for i in range(24):
+        (root / "in" / f"{i:02d}.bin").write_bytes(bytes([i * 11]))
+    build_cache(root / "in", root / "cache", pipeline=str(Path(__file__).with_name(
+        "dtypes_pipeline.py")), workers=1, shard_rows=4)
+    return root / "cache"
+
+
+def fixed_columns(dataset: CachedDataset) -> list[str]:
+    schema = dataset._cache.manifest.schema
+    return [n for n in dataset.columns if schema[n].kind in ("ndarray", "scalar")]
+
+
+class Allocations:
+    """``pinned_empty`` keeping each array it makes, by its address; unpinned unless
+    ``pin_memory`` (without CUDA, pinning fails)."""
+
+    empty = staticmethod(threaded.pinned_empty)  # the real one (a test may replace it)
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.arrays: dict[int, np.ndarray] = {}
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+
+    def __call__(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        array = self.empty(shape, dtype, pin_memory=self.pin_memory)
+        with self._lock:
+            self.arrays[array.__array_interface__["data"][0]] = array
+        return array
+
+
+def test_pinned_empty_makes_tensor_backed_arrays_and_numpy_ones_for_dtypes_torch_lacks():
+    floats = threaded.pinned_empty((2, 3), np.float32, pin_memory=False)
+    assert floats.shape == (2, 3) and floats.dtype == np.float32
+    assert isinstance(floats.base, torch.Tensor) and floats.base.data_ptr() == (
+        floats.__array_interface__["data"][0])
+    for dtype in ("datetime64[s]", ">f4", "U3"):  # no torch dtype: np.empty
+        array = threaded.pinned_empty((2,), dtype, pin_memory=False)
+        assert array.dtype == np.dtype(dtype) and not isinstance(array.base, torch.Tensor)
+
+
+def test_read_batch_makes_every_fixed_shape_column_and_the_decoded_images_with_empty(
+        dtypes_cache):
+    dataset = CachedDataset(dtypes_cache)
+    fixed = fixed_columns(dataset)
+    assert len(fixed) == 17 and "image" in dataset.encoded_columns
+    rows = [9, 2, 17, 3, 22]
+    expected = dataset.read_batch(rows)
+    for storage_order in (False, True):
+        made = Allocations()
+        batch = dataset.read_batch(rows, storage_order=storage_order, empty=made)
+        assert len(made.arrays) == len(fixed) + 1  # every fixed column, the images, no more
+        for name in [*fixed, "image"]:
+            assert batch[name].__array_interface__["data"][0] in made.arrays, name
+        order = [expected["key"].index(k) for k in batch["key"]]  # storage order: by shard
+        assert (order != list(range(5))) == storage_order
+        for name in [*fixed, "image"]:
+            np.testing.assert_array_equal(batch[name], expected[name][order])
+    # warm, variable-length columns only: the images of the complete row table's path
+    images = CachedDataset(dtypes_cache, columns=["key", "image"])
+    images.read_batch(list(range(len(images))))
+    images.read_batch(rows)
+    assert images._complete is not None and not images._faulting
+    made = Allocations()
+    batch = images.read_batch(rows, empty=made)
+    assert list(made.arrays) == [batch["image"].__array_interface__["data"][0]]
+    np.testing.assert_array_equal(batch["image"], expected["image"])
+    # columns held whole in memory (an older cache's path): gathered into empty's arrays too
+    resident = CachedDataset(dtypes_cache, columns=["key", *fixed], resident=True)
+    made = Allocations()
+    batch = resident.read_batch([*rows[:4], -1], empty=made)
+    assert len(made.arrays) == len(fixed)
+    for name in fixed:
+        assert batch[name].__array_interface__["data"][0] in made.arrays
+        np.testing.assert_array_equal(batch[name], resident.read_batch([*rows[:4], 23])[name])
+
+
+def loader_columns(cache) -> list[str]:
+    """The columns a loader collates into tensors (torch has no datetime64 tensor)."""
+    return [n for n in precache.Cache(cache).manifest.schema if n != "a_datetime64s"]
+
+
+def test_threads_that_pin_gather_and_decode_into_the_pinned_arrays_and_copy_nothing_after(
+        dtypes_cache, monkeypatch):
+    """With no CUDA here, ``pinned_empty`` is stood in for by unpinned tensor-backed arrays and
+    a tensor counts as pinned when its memory is one of them; ``pin_memory()`` records what it
+    copies."""
+    dataset = CachedDataset(dtypes_cache, columns=loader_columns(dtypes_cache))
+    fixed = fixed_columns(dataset)
+    expected = epoch(make_loader(dataset, 4, num_workers=0, seed=5, pin_memory=False), 1,
+                     [*fixed, "image"])
+    made, copied = Allocations(), []
+    monkeypatch.setattr(threaded, "pinned_empty", made)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.data_ptr() in made.arrays)
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self: copied.append(tuple(self.shape)) or self.clone())
+
+    loader = make_loader(dataset, 4, num_workers=2, seed=5, pin_memory=True,
+                         worker_kind="threads")
+    loader.set_epoch(1)
+    batches = list(loader)
+    loader.close()
+    pinnable = [n for n in fixed if dataset._cache.manifest.schema[n].dtype in
+                {d.name for d in threaded._TORCH_DTYPES}]  # on torch < 2.3 not uint16-64
+    assert len(batches) == 6 and len(made.arrays) == 6 * (len(fixed) + 1)
+    assert len(copied) == 6 * (len(fixed) - len(pinnable))  # only what torch cannot pin
+    for batch, reference in zip(batches, expected):
+        assert list(batch["key"]) == reference["key"]
+        for name in [*pinnable, "image"]:
+            array = made.arrays.get(batch[name].data_ptr())
+            assert array is not None, name  # the loop has the memory the dataset read into
+            assert batch[name] is array.base  # the allocator's own tensor (no from_numpy)
+        for name in [*fixed, "image"]:
+            assert torch.equal(batch[name], reference[name]), name
+
+    made.arrays.clear()
+    copied.clear()  # the loop's own thread and worker processes pin after reading, as before
+    itself = make_loader(dataset, 4, num_workers=0, seed=5, pin_memory=True)
+    itself.set_epoch(1)
+    assert len(list(itself)) == 6 and not made.arrays and len(copied) == 6 * (len(fixed) + 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
+def test_cuda_threads_that_pin_hand_out_batches_read_straight_into_pinned_memory(
+        dtypes_cache, monkeypatch):
+    from precache.loading import DevicePrefetcher
+
+    dataset = CachedDataset(dtypes_cache, columns=loader_columns(dtypes_cache))
+    fixed = fixed_columns(dataset)
+    expected = epoch(make_loader(dataset, 4, num_workers=0, seed=7, pin_memory=False), 1,
+                     [*fixed, "image"])
+    pinnable = [n for n in fixed if dataset._cache.manifest.schema[n].dtype in
+                {d.name for d in threaded._TORCH_DTYPES}]
+    made, copied = Allocations(pin_memory=True), []
+    pin = torch.Tensor.pin_memory
+    monkeypatch.setattr(threaded, "pinned_empty", made)
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *args: copied.append(tuple(self.shape)) or pin(self, *args))
+    loader = make_loader(dataset, 4, num_workers=2, seed=7, pin_memory=True,
+                         worker_kind="threads")
+    loader.set_epoch(1)
+    batches = list(loader)
+    loader.close()
+    assert len(batches) == 6 and len(copied) == 6 * (len(fixed) - len(pinnable))
+    for batch, reference in zip(batches, expected):
+        for name in [*pinnable, "image"]:
+            assert batch[name].is_pinned(), name
+            assert batch[name] is made.arrays[batch[name].data_ptr()].base, name  # not copied
+        for name in [*fixed, "image"]:
+            assert batch[name].is_pinned() and torch.equal(batch[name], reference[name]), name
+
+    # the real allocator, buffers freed as the loop drops batches: every copy to the GPU
+    # (non-blocking, on a side stream) still gets its own batch's values
+    monkeypatch.setattr(threaded, "pinned_empty", Allocations.empty)
+    loader = make_loader(dataset, 4, num_workers=2, seed=7, pin_memory=True,
+                         worker_kind="threads")
+    for _ in range(3):
+        loader.set_epoch(1)
+        on_gpu = [{name: batch[name].clone() for name in ["image", *pinnable]}
+                  for batch in DevicePrefetcher(loader, "cuda")]
+        torch.cuda.synchronize()
+        for batch, reference in zip(on_gpu, expected):
+            for name, values in batch.items():
+                assert values.is_cuda and torch.equal(values.cpu(), reference[name]), name
+    loader.close()
