@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Subset
 
 __all__ = ["ThreadedBatches", "pinned_empty"]
 
@@ -79,6 +80,25 @@ def _allocating(indices: Any, empty: Callable[..., np.ndarray]) -> Any:
         indices = _Indices(indices)
         indices.empty = empty
     return indices
+
+
+def _through_subsets(dataset: Any, indices: Any) -> tuple[Any, Any]:
+    """The dataset beneath ``dataset``'s ``Subset``s, and ``indices`` mapped onto it with the
+    batch's hints kept (``IndexBatch``: ``ahead``, mapped too, ``storage_order``, ``empty``).
+    torch's ``Subset.__getitems__`` hands a plain list on, which drops them: the trainers'
+    training rows (a ``Subset``) were read without read-ahead, storage order or pinned arrays.
+    A ``Subset`` subclass with its own ``__getitems__`` is left to do as it says."""
+    while (isinstance(dataset, Subset) and type(dataset).__getitems__ is Subset.__getitems__
+           and callable(getattr(dataset.dataset, "__getitems__", None))):
+        rows = dataset.indices
+        mapped = _Indices(int(rows[i]) for i in indices)
+        mapped.array = np.asarray(mapped, dtype=np.int64)
+        mapped.storage_order = getattr(indices, "storage_order", False)
+        ahead = getattr(indices, "ahead", None)
+        mapped.ahead = None if ahead is None else [int(rows[i]) for i in ahead]
+        mapped.empty = getattr(indices, "empty", None)
+        dataset, indices = dataset.dataset, mapped
+    return dataset, indices
 
 
 def _pin(batch: Any) -> Any:
@@ -137,10 +157,11 @@ class ThreadedBatches:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def _load(self, indices: Any) -> Any:
+        dataset, indices = _through_subsets(self.dataset, indices)
         if self._empty is not None:
             indices = _allocating(indices, self._empty)
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        getitems = getattr(dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [dataset[i] for i in indices]
         batch = self.collate_fn(samples)
         if self.batch_transform is not None:
             batch = self.batch_transform(batch)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Subset
 
 import precache
 from precache.loading import CachedDataset, decode_images, make_loader, threaded
@@ -61,6 +62,32 @@ def test_threads_hand_out_the_batches_the_loop_would_read_itself_and_resume_exac
     assert sorted(seen) == sorted(precache.Cache(cache).read_all(["key"])["key"])
     threaded.close()
     resumed.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_subset_is_read_with_the_loaders_hints_mapped_onto_the_cache(cache, monkeypatch,
+                                                                       workers):
+    """torch's Subset hands a plain list to the dataset, which dropped the batch's read-ahead,
+    storage order and pinned arrays; the trainers train on a Subset of the cache's rows."""
+    dataset = CachedDataset(cache, columns=COLUMNS)
+    rows = list(range(1, len(dataset), 2))
+    wanted = sorted(dataset.read_batch(rows)["key"])
+    calls = []
+    read = CachedDataset.read_batch
+
+    def spy(self, indices, ahead=None, storage_order=False, **kwargs):
+        calls.append((list(indices), ahead, storage_order))
+        return read(self, indices, ahead, storage_order, **kwargs)
+
+    monkeypatch.setattr(CachedDataset, "read_batch", spy)
+    loader = make_loader(Subset(dataset, rows), 4, num_workers=workers, seed=2)
+    got = epoch(loader, 1)
+    assert sorted(k for b in got for k in b["key"]) == wanted
+    assert len(calls) == len(rows) // 4 and all(order for _, _, order in calls)
+    assert all(set(indices) <= set(rows) for indices, _, _ in calls)
+    aheads = [ahead for _, ahead, _ in calls if ahead is not None]
+    assert aheads and all(set(ahead) <= set(rows) for ahead in aheads)
+    loader.close()
 
 
 def test_without_workers_the_loop_reads_each_batch_when_it_asks_as_a_dataloader_would(cache):
