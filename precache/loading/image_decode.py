@@ -8,10 +8,11 @@ hands out the rows' encoded bytes (views of the mapped shards); ``decode_images(
 turns them into one ``(n, h, w, 3)`` uint8 tensor on ``device``.
 
 GPU decoding goes through TorchCodec (``torchcodec.decoders.decode_jpeg(..., device="cuda")``,
-batched nvJPEG; torchvision's ``decode_jpeg`` is deprecated in its favour), with torchvision's
+batched nvJPEG, on the hardware JPEG decoder of an A100/H100; torchvision's ``decode_jpeg``,
+deprecated in its favour, uses only the CUDA cores and the CPU), with torchvision's
 ``decode_jpeg`` as a fallback for installs that have it; WebP and any row nvJPEG refuses are
-decoded on the CPU and copied over. Install the extra that matches the CUDA build of torch:
-``pip install torchcodec`` (its wheels on PyPI are CUDA builds; a CPU-only torch needs none).
+decoded on the CPU and copied over. ``pip install 'precache[gpu]'`` installs TorchCodec (its PyPI
+wheels are CUDA 13 builds for torch >= 2.11; a CPU-only torch needs none).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def decode_images(rows: Sequence[Any], device: torch.device | str = "cpu",
         decode = gpu_decoder()
         if decode is None:
             raise RuntimeError("decoding JPEG crops on the GPU needs TorchCodec (pip install "
-                               "torchcodec, the build matching your CUDA torch) or torchvision; "
+                               "'precache[gpu]') or torchvision; "
                                "or decode on the CPU: CachedDataset(..., decode_images=True)")
         return decode(rows, device, where)
     return torch.from_numpy(_decode_on_cpu(rows, where))
