@@ -94,6 +94,32 @@ def test_the_torch_form_matches_the_opencv_form(batch, steps):
         assert (diff > 1).mean() < 0.01
 
 
+def test_the_torch_form_of_a_batch_equals_its_samples_one_at_a_time(batch):
+    """The torch form warps, colours and cuts out the whole batch, with identity parameters for
+    the samples a step is off for (an identity or flip warp, an identity colour matrix, no hole):
+    each sample comes out bit for bit as alone, where the steps it has off do not run at all.
+    The input is left as it was."""
+    aug = FaceAugment(**{**ALL, "affine_p": 0.5, "color_p": 0.5, "cutout_p": 0.5}, seed=7)
+    inputs = tensors(batch)
+    before = {k: v.clone() for k, v in inputs.items()}
+    mixed = np.zeros(3, bool)
+    for _ in range(4):
+        draws = aug.draw(N)
+        for j, on in enumerate((draws.affine, draws.color | draws.hue_sat,
+                                draws.hole_on.any(axis=1))):
+            mixed[j] |= on.any() and not on.all()
+        whole = aug.apply(inputs, draws, form="torch")
+        for i in range(N):
+            one = aug.apply({k: v[i:i + 1] for k, v in inputs.items()}, draws.take(i),
+                            form="torch")
+            for key in ("image", *POINTS):
+                np.testing.assert_array_equal(whole[key][i].numpy(), one[key][0].numpy(),
+                                              err_msg=f"{key} of sample {i}")
+    assert mixed.all()  # each of those steps was on for some samples and off for others
+    for key, value in before.items():
+        assert torch.equal(inputs[key].nan_to_num(0), value.nan_to_num(0)), f"{key} mutated"
+
+
 def test_groups_draw_once_per_group(batch):
     same = {k: np.repeat(v[:1], 6, axis=0) for k, v in batch.items()}
     aug = FaceAugment(**ALL, seed=3)
