@@ -27,10 +27,10 @@ def npz_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_resnet3d_learns_the_synthetic_classes(npz_cache: Path, tmp_path: Path):
     out = tmp_path / "run"
     load_script(TRAIN, "volumes_train").main([
-        "--cache", str(npz_cache), "--out", str(out), "--epochs", "5", "--batch-size", "16",
+        "--cache", str(npz_cache), "--out", str(out), "--epochs", "8", "--batch-size", "16",
         "--width", "8", "--workers", "0"])
     records = read_metrics(out)
-    assert [r["epoch"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["epoch"] for r in records] == list(range(8))
     assert records[-1]["val_volumes"] == 36 and records[-1]["precision"] == "fp32"
     assert records[-1]["train_loss"] < 0.5 * records[0]["train_loss"]
     assert records[-1]["val_acc"] >= 0.9  # 3 classes: chance is 1/3
