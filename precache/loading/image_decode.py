@@ -129,6 +129,10 @@ def _on_gpu(rows: Sequence[Any], device: torch.device, where: str,
     with warnings.catch_warnings():  # the rows view the read-only mapped shard; only read
         warnings.simplefilter("ignore", UserWarning)
         tensors = [torch.from_numpy(arrays[i]) for i in jpeg]
+    if len(jpeg) == len(rows):  # the usual batch: one stack, one layout change (not one a row)
+        decoded = decode(tensors)
+        _check_one_size([tuple(image.shape) for image in decoded], where)
+        return torch.stack(decoded).permute(0, 2, 3, 1).contiguous()  # NCHW -> NHWC
     images: list[torch.Tensor | None] = [None] * len(rows)
     if jpeg:
         for i, image in zip(jpeg, decode(tensors)):
@@ -138,8 +142,11 @@ def _on_gpu(rows: Sequence[Any], device: torch.device, where: str,
         decoded = torch.from_numpy(_decode_on_cpu([rows[i] for i in rest], where)).to(device)
         for k, i in enumerate(rest):
             images[i] = decoded[k]
-    shapes = {tuple(image.shape) for image in images if image is not None}
-    if len(shapes) > 1:
-        raise ValueError(f"{where}: the crops differ in size ({sorted(shapes)}); a batch of "
-                         "encoded crops must share one size (stage 1's --set size)")
+    _check_one_size([tuple(image.shape) for image in images if image is not None], where)
     return torch.stack([image for image in images if image is not None])
+
+
+def _check_one_size(shapes: list[tuple[int, ...]], where: str) -> None:
+    if len(set(shapes)) > 1:
+        raise ValueError(f"{where}: the crops differ in size ({sorted(set(shapes))}); a batch of "
+                         "encoded crops must share one size (stage 1's --set size)")

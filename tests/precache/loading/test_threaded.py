@@ -262,6 +262,14 @@ def test_the_gpu_decoders_batch_keeps_row_order_with_webp_rows_among_jpeg_ones(c
     assert seen == [5]  # the JPEG rows in one call, the WebP row decoded apart
     np.testing.assert_array_equal(out.numpy(), expected)
 
+    jpegs = list(dataset.read_batch(list(range(6)))["image"])  # the usual batch: all JPEG
+    out = _on_gpu(jpegs, torch.device("cpu"), "batch 1", chw)
+    assert seen[-1] == 6 and out.is_contiguous()  # NHWC, as the CPU path gives it
+    np.testing.assert_array_equal(out.numpy(), expected)
+    ok, larger = cv2.imencode(".jpg", np.zeros((24, 16, 3), np.uint8))
+    with pytest.raises(ValueError, match="batch 2: the crops differ in size"):
+        _on_gpu(jpegs[:3] + [larger.reshape(-1)], torch.device("cpu"), "batch 2", chw)
+
 
 @pytest.fixture(scope="module")
 def dtypes_cache(tmp_path_factory):
