@@ -17,6 +17,7 @@ wheels are CUDA 13 builds for torch >= 2.11; a CPU-only torch needs none).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -130,12 +131,12 @@ def _on_gpu(rows: Sequence[Any], device: torch.device, where: str,
         warnings.simplefilter("ignore", UserWarning)
         tensors = [torch.from_numpy(arrays[i]) for i in jpeg]
     if len(jpeg) == len(rows):  # the usual batch: one stack, one layout change (not one a row)
-        decoded = decode(tensors)
+        decoded = _off_the_current_stream(decode, tensors, device)
         _check_one_size([tuple(image.shape) for image in decoded], where)
         return torch.stack(decoded).permute(0, 2, 3, 1).contiguous()  # NCHW -> NHWC
     images: list[torch.Tensor | None] = [None] * len(rows)
     if jpeg:
-        for i, image in zip(jpeg, decode(tensors)):
+        for i, image in zip(jpeg, _off_the_current_stream(decode, tensors, device)):
             images[i] = image.permute(1, 2, 0)  # CHW -> HWC
     rest = [i for i, image in enumerate(images) if image is None]
     if rest:
@@ -144,6 +145,36 @@ def _on_gpu(rows: Sequence[Any], device: torch.device, where: str,
             images[i] = decoded[k]
     _check_one_size([tuple(image.shape) for image in images if image is not None], where)
     return torch.stack([image for image in images if image is not None])
+
+
+_streams = threading.local()  # each thread's decoding stream, by device
+
+
+def _off_the_current_stream(decode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                            tensors: list[torch.Tensor], device: torch.device,
+                            ) -> list[torch.Tensor]:
+    """``decode(tensors)`` on a CUDA stream of this thread's own, which the current stream then
+    waits for. TorchCodec synchronises the stream it decodes on, before (nvJPEG's hardware
+    engine on an H100 does not wait for work queued on it) and after: on the training's stream
+    that would hold this thread until the GPU had run every step queued so far, so the host
+    could no longer work ahead of the GPU. On this stream it waits only for earlier decodes
+    (the inputs are host bytes and the outputs new: nothing of the current stream's is read)."""
+    if device.type != "cuda":
+        return decode(tensors)
+    by_device = getattr(_streams, "by_device", None)
+    if by_device is None:
+        by_device = _streams.by_device = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = by_device.get(index)
+    if stream is None:
+        stream = by_device[index] = torch.cuda.Stream(torch.device("cuda", index))
+    current = torch.cuda.current_stream(torch.device("cuda", index))
+    with torch.cuda.stream(stream):
+        decoded = decode(tensors)
+    current.wait_stream(stream)
+    for image in decoded:  # made on the side stream, used on the current one
+        image.record_stream(current)
+    return decoded
 
 
 def _check_one_size(shapes: list[tuple[int, ...]], where: str) -> None:

@@ -238,6 +238,21 @@ def test_crops_decoded_on_the_gpu_match_the_cpu(cache):
     assert difference.float().mean() < 1.0  # nvJPEG's IDCT may differ by a grey level
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvJPEG)")
+def test_cuda_decoding_does_not_wait_for_the_work_queued_on_the_current_stream(cache):
+    """TorchCodec synchronises the stream it decodes on; on the training's stream that would
+    hold the loop until the GPU had run every queued step. decode_images uses its own stream,
+    which the current stream then waits for."""
+    dataset = CachedDataset(cache, columns=["image"], decode_images=False)
+    rows = dataset.read_batch(list(range(8)))["image"]
+    decode_images(rows, "cuda")  # warm: the decoder's handles
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued on the current stream
+    images = decode_images(rows, "cuda")
+    assert not torch.cuda.current_stream().query()  # returned while the GPU still sleeps
+    np.testing.assert_array_equal(images.cpu().numpy().shape, (8, 16, 16, 3))
+
+
 def test_the_gpu_decoders_batch_keeps_row_order_with_webp_rows_among_jpeg_ones(cache):
     """decode_images' GPU path assembles nvJPEG's CHW images and the WebP rows it leaves to the
     CPU in row order; here a CPU decoder of the same API (libjpeg-turbo) stands in for nvJPEG."""
