@@ -68,7 +68,9 @@ def pinned_empty(shape: tuple[int, ...], dtype: Any, pin_memory: bool = True) ->
 
 
 class _Indices(list):
-    """A batch's indices given as a plain list, which takes no attributes (``empty``)."""
+    """A batch's indices as a list that takes attributes (a plain list takes none): the hints an
+    ``IndexBatch`` carries, for indices that came as a plain list or were mapped through a
+    ``Subset``."""
 
 
 def _allocating(indices: Any, empty: Callable[..., np.ndarray]) -> Any:
