@@ -28,6 +28,7 @@ are not pinned (other datasets', a ``batch_transform``'s new ones).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -189,7 +190,10 @@ class ThreadedBatches:
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
-        if pool is not None:
+        # not while the interpreter exits: the modules shutdown uses may be gone (a traceback at
+        # the end of every script that did not close its loader), and concurrent.futures joins
+        # its threads itself then
+        if pool is not None and not sys.is_finalizing():
             pool.shutdown(wait=False, cancel_futures=True)
 
 

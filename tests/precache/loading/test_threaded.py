@@ -4,6 +4,7 @@ choice between threads and processes."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -117,6 +118,18 @@ def test_without_workers_the_loop_reads_each_batch_when_it_asks_as_a_dataloader_
     for a, b in zip(got, torch_batches):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["orig_width"],
                                                                    b["orig_width"])
+
+
+def test_a_script_that_exits_without_closing_its_loader_exits_quietly(cache):
+    """A loop that breaks out of an epoch and ends the script leaves the threads reading; the
+    exit must not print a traceback (ThreadPoolExecutor's shutdown fails once modules are gone)."""
+    script = ("import sys; from precache.loading import CachedDataset, make_loader; "
+              "loader = make_loader(CachedDataset(sys.argv[1]), 4, num_workers=2, "
+              "worker_kind='threads'); next(iter(loader))")
+    done = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
 
 
 def test_concurrent_batches_get_their_own_rows_while_shards_are_closed_and_reopened(cache):
