@@ -617,7 +617,7 @@ class CachedDataset:
 
     def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None, storage_order: bool,
                 copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]],
-                empty: Callable[..., np.ndarray] = np.empty,
+                empty: Callable[..., np.ndarray],
                 ) -> tuple[dict[str, Any], np.ndarray | None,
                            list[tuple[int, np.ndarray, np.ndarray]]]:
         """``read_batch`` but for the copies of mapped rows, which it appends to ``copies`` as
@@ -705,7 +705,7 @@ class CachedDataset:
         return out, order, groups or []
 
     def _images(self, name: str, values: list[Any], indices: np.ndarray,
-                empty: Callable[..., np.ndarray] = np.empty) -> Any:
+                empty: Callable[..., np.ndarray]) -> Any:
         """An encoded column's rows as the batch gets them: decoded into one array, or (with
         ``decode_images=False``) each row's bytes as a uint8 array viewing the shard."""
         if self.decode_images:
@@ -713,7 +713,7 @@ class CachedDataset:
         return [np.frombuffer(value, np.uint8) for value in values]
 
     def _decode(self, name: str, values: list[Any], indices: np.ndarray,
-                empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
+                empty: Callable[..., np.ndarray]) -> np.ndarray:
         """The decoded images of an encoded column, each decoded straight into its slot of one
         ``(n, h, w, 3)`` uint8 array (crops of one cache share a size). ``indices``: the rows,
         for messages."""
