@@ -26,6 +26,7 @@ the DataLoader's own position runs ahead of the training loop by the prefetched 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,9 +114,20 @@ class ReadAheadBatches(Sampler[list[int]]):
 class CacheLoader:
     """A DataLoader plus its sampler, counting what the training loop has received.
 
-    Iterate it once per epoch, after ``set_epoch(epoch)``. ``state_dict()`` may be called between
-    any two batches; a loader given that state with ``load_state_dict`` (before ``set_epoch`` of
-    the same epoch) yields only the samples not yet seen, split among the ranks it runs on.
+    It keeps the contract of torch's ``DataLoader(shuffle=True)`` and torchdata's
+    ``StatefulDataLoader``, which Lightning, accelerate and Hugging Face build on (the whole
+    contract: ``docs/stage2-loading.md``, "The loader contract"):
+
+    - ``len()`` is the number of batches of a whole epoch on this rank, always (also while a
+      resumed epoch yields only its rest);
+    - every ``iter()`` is a pass over one epoch: the epoch ``set_epoch`` chose, else the rest of
+      the epoch ``load_state_dict`` restored, else the epoch after the last pass (finished or
+      abandoned), so epochs advance and reshuffle without ``set_epoch``;
+    - ``state_dict()`` may be called between any two batches: plain data (the epoch, the
+      position and the generation read) that survives ``torch.save`` and
+      ``torch.load(weights_only=True)``; ``load_state_dict`` makes the next pass the samples of
+      that epoch not yet seen (split among the ranks it runs on now), and the pass after it the
+      next epoch.
     """
 
     def __init__(self, loader: DataLoader | ThreadedBatches, sampler: DistributedShardSampler,
@@ -125,8 +137,10 @@ class CacheLoader:
         self.sampler = sampler
         self.batch_size = batch_size or loader.batch_size or 1
         self.worker_kind, self.num_workers, self._why = worker_kind
-        self._consumed = 0
-        self._started: tuple[int, Iterator[Any]] | None = None  # (epoch, its running iterator)
+        self._consumed = 0  # samples handed out in the pass counted from _counted_from
+        self._counted_from = -1  # the sampler's position_id when that pass began
+        # start_epoch's pass: (the sampler's position_id, its running iterator)
+        self._started: tuple[int, Iterator[Any]] | None = None
 
     @property
     def dataset(self) -> Any:
@@ -137,14 +151,20 @@ class CacheLoader:
         """The DataLoader's (Lightning reads it to tell whether a validation loader shuffles)."""
         return self.loader.batch_sampler
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the current (or last) pass; the next pass's once ``set_epoch`` or
+        ``load_state_dict`` chose it."""
+        return self.sampler.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (keeps a resumed position if ``load_state_dict`` set that epoch, and
-        the batches ``start_epoch`` already asked for)."""
-        if self._started is not None and self._started[0] == epoch:
+        """Make the next pass ``epoch`` (keeps a resumed position if ``load_state_dict`` set that
+        epoch, and the batches ``start_epoch`` already asked for)."""
+        if self._started is not None and self.sampler.epoch == epoch \
+                and self._started[0] == self.sampler.position_id:
             return
         self._started = None
         self.sampler.set_epoch(epoch)
-        self._consumed = 0
 
     def describe(self) -> str:
         """Who reads the batches, and why (``make_loader``'s choice), e.g. for a training log."""
@@ -162,16 +182,23 @@ class CacheLoader:
         validation, so the next epoch does not begin with a wait. A later ``set_epoch`` of the
         same epoch keeps them. Its position is 0 until iteration starts."""
         self.set_epoch(epoch)
-        self._started = (epoch, iter(self.loader))
+        self.sampler.begin_pass()
+        self._started = (self.sampler.position_id, iter(self.loader))
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Batches of a whole epoch on this rank (a resumed pass yields fewer: its rest)."""
+        return -(-self.sampler.epoch_length() // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        self._consumed = 0
-        total = len(self.sampler)
+        # A generator: nothing is settled until the first batch is asked for (Lightning calls
+        # iter() before it calls set_epoch).
         started, self._started = self._started, None
-        for batch in (started[1] if started is not None else self.loader):
+        if started is None or started[0] != self.sampler.position_id:
+            self.sampler.begin_pass()
+            started = (self.sampler.position_id, iter(self.loader))
+        self._consumed, self._counted_from = 0, started[0]
+        total = len(self.sampler)
+        for batch in started[1]:
             self._consumed = min(total, self._consumed + self.batch_size)
             yield batch
 
@@ -180,17 +207,21 @@ class CacheLoader:
 
         Args:
             consumed: samples this rank has trained on this epoch (since the resume, if any);
-                default: the samples this loader has yielded. Pass it when something between
-                the loader and the step (a ``DevicePrefetcher`` on CUDA) holds a batch ahead.
+                default: the samples this loader has yielded in its current pass. Pass it when
+                something between the loader and the step (a ``DevicePrefetcher`` on CUDA)
+                holds a batch ahead.
         """
-        state = self.sampler.state_dict(consumed=self._consumed if consumed is None else consumed)
+        if consumed is None:  # 0 once set_epoch or load_state_dict moved on from that pass
+            consumed = self._consumed if self._counted_from == self.sampler.position_id else 0
+        state = self.sampler.state_dict(consumed=consumed)
         cached = self.cached_dataset()
         if cached is not None:
             state["generation"] = cached.generation  # the order is an order of its rows
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a saved epoch (see ``DistributedShardSampler.load_state_dict``).
+        """Make the next pass the rest of a saved epoch (see
+        ``DistributedShardSampler.load_state_dict``), and the pass after it the next epoch.
 
         Raises:
             ValueError: the state was saved reading another generation of the cache than this
@@ -209,7 +240,7 @@ class CacheLoader:
                 f"but the dataset reads generation {cached.generation}; {fix}; or start the "
                 "epoch over on the new generation: set_epoch without load_state_dict")
         self.sampler.load_state_dict(state)
-        self._consumed = 0
+        self._started = None
 
     def cached_dataset(self) -> Any:
         """The dataset over a cache under the loader's dataset (through ``Subset``s: one with a
@@ -259,7 +290,8 @@ def make_loader(
         drop_last: drop up to world_size - 1 samples per epoch instead of repeating as many.
         shard_window: shuffle shards, then samples within windows of this many shards (reads
             stay local, e.g. for Parquet caches larger than memory); default: global shuffle.
-        pin_memory: default: when CUDA is available. Worker threads read each batch straight
+        pin_memory: default: when CUDA is available (``True`` without CUDA warns and does not
+            pin, as ``DataLoader`` does). Worker threads read each batch straight
             into pinned memory; worker processes' batches are pinned by the DataLoader, the
             loop's own (``num_workers=0``) by a copy after reading.
         persistent_workers: default: when there are workers.
@@ -292,7 +324,12 @@ def make_loader(
     check_worker_kind(worker_kind)
     sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                       shard_window=shard_window, rank=rank, world_size=world_size)
-    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    if pin and not torch.cuda.is_available():  # tensor.pin_memory() raises without CUDA
+        warnings.warn("make_loader: pin_memory=True, but CUDA is not available: batches are "
+                      "not pinned (pinned memory needs CUDA; leave pin_memory at its default)",
+                      stacklevel=2)
+        pin = False
     kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
     batches: Any = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
                     BatchSampler(sampler, batch_size, drop_last=False))

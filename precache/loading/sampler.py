@@ -50,7 +50,10 @@ class DistributedShardSampler(Sampler[int]):
     Call ``set_epoch(epoch)`` before iterating each epoch. To resume, call ``load_state_dict``
     before that ``set_epoch``: the first ``set_epoch`` of the saved epoch after
     ``load_state_dict`` keeps the saved position; any other ``set_epoch`` starts its epoch at
-    the beginning.
+    the beginning. A loader that iterates it (``CacheLoader``) calls ``begin_pass`` at the start
+    of every pass, which advances to the next epoch where nothing chose one (the contract of
+    ``DataLoader(shuffle=True)``; see ``begin_pass``). Iterated directly, it behaves as torch's
+    ``DistributedSampler``: the same order until ``set_epoch``.
 
     Args:
         dataset: anything with ``__len__``. For ``shard_window`` it also needs ``shard_ids``, a
@@ -110,6 +113,12 @@ class DistributedShardSampler(Sampler[int]):
         self._resumed_epoch: int | None = None  # set by load_state_dict until its set_epoch
         self._saved_order: tuple[int, str] | None = None  # (epoch, order) of a loaded state
         self._order: tuple[tuple[int, str], Any] | None = None  # this epoch's order, made once
+        self._chosen = False  # set_epoch chose the next pass's epoch
+        self._loaded = False  # load_state_dict set the next pass's position
+        self._passes = 0  # passes begun (begin_pass)
+        self.position_id = 0
+        """Changes whenever the epoch or its start are set anew: a loader's count of the samples
+        it handed out belongs to the position it counted from."""
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its beginning, unless ``load_state_dict`` just set this epoch."""
@@ -118,6 +127,29 @@ class DistributedShardSampler(Sampler[int]):
         if epoch != self._resumed_epoch:
             self.offset = 0
         self.epoch, self._resumed_epoch = int(epoch), None
+        self._chosen, self._loaded = True, False
+        self.position_id += 1
+
+    def begin_pass(self) -> None:
+        """A loader starts a pass over this sampler: settle which epoch and position it reads.
+
+        - ``set_epoch`` was called since the last pass: that epoch, as ``set_epoch`` left it;
+        - else ``load_state_dict`` was: the rest of the saved epoch, or the next epoch from its
+          start if the saved one was finished;
+        - else, after an earlier pass (finished or abandoned): the next epoch from its start;
+        - else (the first pass): the current epoch (0 unless set).
+        """
+        if not self._chosen and (self.offset >= self.size if self._loaded else self._passes):
+            self.epoch, self.offset = self.epoch + 1, 0
+            self.position_id += 1
+        self._chosen = self._loaded = False
+        self._resumed_epoch = None
+        self._passes += 1
+
+    def epoch_length(self) -> int:
+        """This rank's indices in a whole epoch (from its start, whatever the position): what
+        ``len()`` is before a resume."""
+        return self.size // self.world_size if self.drop_last else -(-self.size // self.world_size)
 
     def order_kind(self) -> str:
         """How this epoch's order is made (one of ``ORDERS``): as the loaded state says for its
@@ -241,6 +273,8 @@ class DistributedShardSampler(Sampler[int]):
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._resumed_epoch = self.epoch
         self._saved_order = (self.epoch, order)
+        self._chosen, self._loaded = False, True
+        self.position_id += 1
 
 
 def shuffle_quality(order: np.ndarray, shard_ids: np.ndarray, batch_size: int) -> dict[str, float]:

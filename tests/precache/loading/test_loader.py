@@ -48,3 +48,107 @@ def test_an_epoch_started_early_yields_the_same_batches_once(dataset):
     assert keys(early) == expected
     early.set_epoch(2)
     assert sorted(keys(early)) == sorted(expected)  # an ordinary epoch after it
+
+
+# ---- the loader contract: DataLoader(shuffle=True) and torchdata's StatefulDataLoader ----------
+
+def passes(loader, count: int, stop: int | None = None) -> list[list[list[str]]]:
+    """``count`` passes of ``iter(loader)`` without ``set_epoch``: per pass, its batches' keys;
+    the first pass is abandoned after ``stop`` batches if given."""
+    done = []
+    for n in range(count):
+        batches = []
+        for batch in loader:
+            batches.append(list(batch["key"]) if isinstance(batch, dict) else list(batch))
+            if n == 0 and stop is not None and len(batches) == stop:
+                break
+        done.append(batches)
+    return done
+
+
+def round_trip(state: dict, tmp_path) -> dict:
+    """The state through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint."""
+    import torch
+
+    torch.save({"loader": state}, tmp_path / "state.pt")
+    return torch.load(tmp_path / "state.pt", weights_only=True)["loader"]
+
+
+def contract(make, stop: int, tmp_path) -> dict:
+    """What a framework sees of a loader: its ``len()`` at each point, the batches of every pass
+    (3 uninterrupted; an epoch abandoned after ``stop`` batches, then the next; a stop after
+    ``stop`` batches, the state through a checkpoint, then a new loader's passes)."""
+    plain = make()
+    lengths = [len(plain)]
+    full = passes(plain, 3)
+    lengths.append(len(plain))
+    abandoned = passes(make(), 2, stop=stop)
+    first = make()
+    head = passes(first, 1, stop=stop)[0]
+    state = round_trip(first.state_dict(), tmp_path)
+    resumed = make()
+    resumed.load_state_dict(state)
+    lengths.append(len(resumed))
+    rest = passes(resumed, 2)
+    lengths.append(len(resumed))
+    return {"lengths": lengths, "full": full, "abandoned": abandoned, "head": head,
+            "rest": rest}
+
+
+def flat(batches) -> list[str]:
+    return [k for batch in batches for k in batch]
+
+
+def shape(seen: dict) -> dict:
+    """The parts of ``contract`` that do not depend on which shuffle made the order."""
+    return {"lengths": seen["lengths"],
+            "batches": [[len(b) for b in p] for p in [*seen["full"], *seen["abandoned"],
+                                                        seen["head"], *seen["rest"]]]}
+
+
+@pytest.mark.parametrize("stop", [1, 4, 7])  # early, in the middle, the last batch but one
+@pytest.mark.parametrize("workers,kind", [(0, "auto"), (2, "threads"), (1, "processes")])
+def test_the_loader_keeps_the_stateful_dataloader_contract_across_a_resume(
+        dataset, tmp_path, stop, workers, kind):
+    """The same calls on torchdata's real ``StatefulDataLoader`` and on a ``CacheLoader`` give
+    the same lengths and batch counts, and the CacheLoader every sample once per epoch: epochs
+    advance (and reshuffle) without ``set_epoch``; a resume from a checkpoint loaded
+    weights-only gives exactly the rest of the epoch, then whole epochs again."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    keys_of = [dataset[i]["key"] for i in range(len(dataset))]
+    reference = contract(lambda: StatefulDataLoader(keys_of, batch_size=4, shuffle=True),
+                         stop, tmp_path)
+    ours = contract(lambda: make_loader(dataset, 4, seed=5, num_workers=workers,
+                                        worker_kind=kind), stop, tmp_path)
+    assert shape(ours) == shape(reference)
+    assert ours["lengths"] == [8] * 4  # 30 samples in batches of 4, before and after a resume
+    full = ours["full"]
+    assert all(sorted(flat(p)) == sorted(keys_of) for p in full)
+    assert full[0] != full[1] != full[2]  # each pass a new epoch, reshuffled
+    assert ours["abandoned"][1] == full[1]  # an abandoned epoch 0 is followed by epoch 1
+    assert ours["head"] == full[0][:stop]
+    assert ours["rest"] == [full[0][stop:], full[1]]  # the rest of epoch 0, then epoch 1
+
+
+def test_set_epoch_chooses_the_next_pass_and_a_finished_saved_epoch_resumes_at_the_next(
+        dataset, tmp_path):
+    loader = make_loader(dataset, 4, num_workers=0, seed=5)
+    by_epoch = passes(loader, 3)
+    loader.set_epoch(1)
+    assert passes(loader, 2) == [by_epoch[1], by_epoch[2]]  # set_epoch, then on from there
+    finished = make_loader(dataset, 4, num_workers=0, seed=5)
+    passes(finished, 1)
+    state = round_trip(finished.state_dict(), tmp_path)
+    assert (state["epoch"], state["offset"]) == (0, 30)
+    resumed = make_loader(dataset, 4, num_workers=0, seed=5)
+    resumed.load_state_dict(state)
+    assert passes(resumed, 1) == [by_epoch[1]]
+    again = make_loader(dataset, 4, num_workers=0, seed=5)
+    again.load_state_dict(state)
+    again.set_epoch(0)  # chosen explicitly: the finished epoch 0, nothing left of it
+    assert passes(again, 2) == [[], by_epoch[1]]
+    moved = make_loader(dataset, 4, num_workers=0, seed=5)
+    next(iter(moved))
+    moved.sampler.set_epoch(3)  # as Lightning does, past the loader: its count is stale
+    assert (moved.state_dict()["epoch"], moved.state_dict()["offset"]) == (3, 0)

@@ -389,13 +389,14 @@ def test_threads_that_pin_gather_and_decode_into_the_pinned_arrays_and_copy_noth
         dtypes_cache, monkeypatch):
     """With no CUDA here, ``pinned_empty`` is stood in for by unpinned tensor-backed arrays and
     a tensor counts as pinned when its memory is one of them; ``pin_memory()`` records what it
-    copies."""
+    copies; ``make_loader`` is told CUDA is there (else it does not pin)."""
     dataset = CachedDataset(dtypes_cache, columns=loader_columns(dtypes_cache))
     fixed = fixed_columns(dataset)
     expected = epoch(make_loader(dataset, 4, num_workers=0, seed=5, pin_memory=False), 1,
                      [*fixed, "image"])
     made, copied = Allocations(), []
     monkeypatch.setattr(threaded, "pinned_empty", made)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.data_ptr() in made.arrays)
     monkeypatch.setattr(torch.Tensor, "pin_memory",
                         lambda self: copied.append(tuple(self.shape)) or self.clone())
@@ -423,6 +424,22 @@ def test_threads_that_pin_gather_and_decode_into_the_pinned_arrays_and_copy_noth
     itself = make_loader(dataset, 4, num_workers=0, seed=5, pin_memory=True)
     itself.set_epoch(1)
     assert len(list(itself)) == 6 and not made.arrays and len(copied) == 6 * (len(fixed) + 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machines without CUDA")
+@pytest.mark.parametrize("kind", ["threads", "processes", "none"])
+def test_pin_memory_without_cuda_warns_and_reads_unpinned_batches_with_every_worker_kind(
+        cache, kind):
+    """``tensor.pin_memory()`` raises without CUDA: every worker kind warns once, as
+    ``DataLoader`` does for processes, and hands out the same batches unpinned."""
+    expected = epoch(make_loader(CachedDataset(cache), 8, num_workers=0, seed=3), 0)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        loader = make_loader(CachedDataset(cache), 8, num_workers=0 if kind == "none" else 1,
+                             seed=3, pin_memory=True, worker_kind="auto" if kind == "none"
+                             else kind)
+    got = epoch(loader, 0)
+    loader.close()
+    assert [b["key"] for b in got] == [b["key"] for b in expected]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
