@@ -5,6 +5,7 @@ The runner plans the tasks and runs the executors; this object is all it does to
 
     with WriteTransaction(output, pipeline="faces", fingerprint=fp, overwrite=False) as tx:
         tx.records                  # key -> record the cache holds for this fingerprint
+        todo = tx.recompute_damaged(inputs, todo, kept)  # after classifying the inputs
         ... run tasks; for each finished one: tx.add(result) ...
         tx.drop_stale_rows(kept, shard_format, next_seq)
         manifest = tx.publish(kept, ...)
@@ -34,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,6 +50,7 @@ from precache.cache.reader import load_manifest
 from precache.cache.schema import schema_from_json, schema_to_json
 from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
 from precache.errors import RunError
+from precache.storage import ChecksumError
 from precache.storage.durable import fsync_dir
 from precache.storage.hashing import file_checksum
 from precache.storage.lease import LEASE_FILE
@@ -68,6 +70,7 @@ class _State:
     schemas: dict[int, dict[str, Any]] = field(default_factory=dict)
     referenced: set[str] = field(default_factory=set)  # shard files that must not be deleted
     max_seq: int = 0
+    checked: set[int] = field(default_factory=set)  # old shards whose checksum this run checked
 
 
 class WriteTransaction:
@@ -278,23 +281,95 @@ class WriteTransaction:
             self._state.shards[seq] = shard
             self._state.schemas[seq] = schema or {}
 
+    def _touched(self, kept: dict[str, dict[str, Any]]) -> list[int]:
+        """The shards ``drop_stale_rows`` reads: those holding rows of ``kept`` inputs beside
+        rows of changed or deleted ones."""
+        owned_rows: dict[int, int] = {}
+        for record in kept.values():
+            if record["shard"] >= 0:
+                owned_rows[record["shard"]] = owned_rows.get(record["shard"], 0) + record["rows"]
+        return [seq for seq, info in sorted(self._state.shards.items())
+                if owned_rows.get(seq, 0) not in (0, info.live_rows)]
+
+    def _damage(self, info: ShardInfo) -> str | None:
+        """Why the shard ``info`` does not hold the bytes its manifest entry names (missing,
+        or another checksum), or ``None`` if it does. A remote shard is downloaded into staging
+        here, checked as it arrives, where ``drop_stale_rows`` then reads it."""
+        layout = self.layout
+        try:
+            if layout.url is not None:
+                layout.local_shard(info)
+                return None
+            found = file_checksum(layout.root / info.path)
+        except FileNotFoundError:
+            return "it is missing"
+        except ChecksumError:
+            return f"its checksum does not match the manifest's {info.checksum}"
+        if found != info.checksum:
+            return f"its checksum does not match the manifest's {info.checksum}"
+        return None
+
+    def recompute_damaged(self, inputs: Sequence[Any], todo: list[Any],
+                          kept: dict[str, dict[str, Any]]) -> list[Any]:
+        """Check the checksum of every old shard this run will read (``drop_stale_rows``:
+        it copies their kept rows into a new shard, or reads their keys to mark the rest
+        deleted), before any task runs. A damaged shard's rows are never copied (a copy would
+        carry the damage under a fresh, valid checksum) nor read (damaged offsets raise): its
+        inputs are taken out of ``kept`` and computed again, as if not cached, and the run
+        says so in one line per shard.
+
+        Args:
+            inputs: every input of the run (objects with a ``key``), in the run's order.
+            todo: the inputs to compute (``classify``).
+            kept: key -> record of the unchanged inputs (``classify``); changed in place.
+
+        Returns:
+            The inputs to compute: ``todo`` and those of the damaged shards, in input order.
+        """
+        damaged: set[int] = set()
+        for seq in self._touched(kept):
+            info = self._state.shards[seq]
+            why = self._damage(info)
+            self._state.checked.add(seq)
+            if why is not None:
+                damaged.add(seq)
+                count = sum(r["shard"] == seq for r in kept.values())
+                self.log(f"precache: shard {info.path} of '{self.location}' is damaged ({why}): "
+                         f"its {count} unchanged input(s) are computed again; `precache verify` "
+                         "names the older generations that still list it")
+        if not damaged:
+            return todo
+        again = {key for key, record in kept.items() if record["shard"] in damaged}
+        for key in again:
+            del kept[key]
+        keys = again | {item.key for item in todo}
+        return [item for item in inputs if item.key in keys]
+
     def drop_stale_rows(self, kept: dict[str, dict[str, Any]], shard_format: ShardFormat,
                         next_seq: int) -> tuple[int, int]:
         """Mark rows of changed and deleted inputs as deleted in their shards (a manifest
         change, no copy); rewrite a shard once most of it is deleted, as shard ``next_seq`` and
         on. ``kept``: the records of the inputs the new cache holds. Returns (shards touched,
-        rewritten)."""
+        rewritten).
+
+        Every shard read here was checked by ``recompute_damaged``; one it did not check is
+        checked now, and a damaged one stops the run (its rows cannot be computed again this
+        late; the re-run does, as ``recompute_damaged`` checks it before its tasks).
+
+        Raises:
+            RunError: a shard not checked before the tasks is damaged.
+        """
         layout, state = self.layout, self._state
-        owned_rows: dict[int, int] = {}
-        for record in kept.values():
-            if record["shard"] >= 0:
-                owned_rows[record["shard"]] = owned_rows.get(record["shard"], 0) + record["rows"]
         touched = rewritten = 0
-        for seq in sorted(state.shards):
+        for seq in self._touched(kept):
             info = state.shards[seq]
-            owned = owned_rows.get(seq, 0)
-            if owned in (0, info.live_rows):
-                continue  # untouched, or no live rows left (the manifest will not list it)
+            if seq not in state.checked:
+                why = self._damage(info)
+                if why is not None:
+                    raise RunError(f"shard {info.path} of '{self.location}' is damaged ({why}); "
+                                   "nothing was published: re-run the same command to compute "
+                                   "its rows again")
+                state.checked.add(seq)
             schema = schema_from_json(state.schemas[seq])
             reader = shard_format.open(layout.local_shard(info), schema)
             try:
