@@ -42,6 +42,8 @@ import functools
 import os
 import resource
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +56,7 @@ from precache.cache.formats.base import ShardReader
 from precache.cache.formats.variable import FEW_ROWS, VARIABLE_KINDS
 from precache.cache.image_codec import encoded_columns
 from precache.loading.image_decode import decode_into_batch
-from precache.loading.open_shards import OpenShards
+from precache.loading.open_shards import OpenShards, fds_per_reader, shard_budget, soft_fd_limit
 from precache.loading.pinned import open_pinned
 from precache.loading.row_table import RowTable
 from precache.loading.warm import ShardWarmer
@@ -177,8 +179,12 @@ class CachedDataset:
             gather. Default (None): only for Parquet caches with requested array columns that
             cannot be mapped (older caches) and that fit ``max_decoded_bytes``. ``True`` makes
             every process hold its own copy instead of sharing the page cache; ``False`` never.
-        max_open_shards: shard files this process keeps open (mapped) at once (default 4096;
-            each holds a file descriptor and a memory map; the least recently used are closed).
+        max_open_shards: shard files this process keeps open (mapped) at once; the least
+            recently used are closed. Each holds file descriptors (a Parquet shard one, an HDF5
+            shard one a mapped column and one more), and a process may open only ``ulimit -n``:
+            default (None) and at most, as many as half the soft ``RLIMIT_NOFILE`` allows, less
+            the descriptors already open (``open_shards``); a larger number is capped, with a
+            warning.
         release_mapped_bytes: after gathering this many bytes from mapped columns, this
             process unmaps the pages it touched (``madvise(MADV_DONTNEED)``; the page cache
             keeps them). Default ``None``: never. A page mapped by one process only counts in
@@ -199,7 +205,9 @@ class CachedDataset:
         generation: the generation of the cache to read (default: the current one; under
             ``torch.distributed``, the one rank 0 finds current, so all ranks read the same).
             The dataset holds it (a reader lease): a re-run of stage 1 publishes a new one
-            without removing this one's files while the dataset is open.
+            without removing this one's files while the dataset is open. ``close()``, or
+            dropping the last reference to the dataset, lets go of it (and stops the dataset's
+            threads).
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
@@ -210,7 +218,7 @@ class CachedDataset:
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
                  transform: Callable[[Sample], Sample] | None = None,
                  max_decoded_bytes: int = 1 << 30, resident: bool | None = None,
-                 max_open_shards: int = 4096, release_mapped_bytes: int | None = None,
+                 max_open_shards: int | None = None, release_mapped_bytes: int | None = None,
                  disk_cache_dir: str | os.PathLike[str] | None = None,
                  disk_cache_bytes: int | None = None, generation: int | None = None,
                  decode_images: bool = True) -> None:
@@ -252,6 +260,7 @@ class CachedDataset:
             _available_memory() // 2)
         self._warmer: ShardWarmer | None = None
         self._warmer_pid = 0
+        self._warmers: list[ShardWarmer] = []  # every process's, for _let_go
         self._warming_all = 0  # the pid of the process that queued every shard to its warmer
         # offsets columns at the end of a Parquet shard that a read of these columns needs:
         # they follow every column, in schema order, so from the first one read (_advise_tails)
@@ -259,8 +268,20 @@ class CachedDataset:
         read = [variable.index(name) for name in self.columns if name in variable]
         self._tail_columns = len(variable) - min(read) if read else 0
         # readers of the requested columns only: a shard opens with fewer page headers to read
+        fds = fds_per_reader(self._cache.manifest.format, {n: schema[n] for n in self.columns})
+        if max_open_shards is not None and max_open_shards > (budget := shard_budget(fds)):
+            warnings.warn(
+                f"{self.path}: max_open_shards={max_open_shards} would hold up to "
+                f"{max_open_shards * fds} file descriptors ({fds} a shard), past half of this "
+                f"process's open-file limit ({soft_fd_limit()}, `ulimit -n`) less those open; "
+                f"keeping at most {budget} shards open at once (raise `ulimit -n` to keep more)",
+                stacklevel=2)
         self._readers = OpenShards(functools.partial(self._cache.reader, columns=self.columns),
-                                   max_open_shards, max_decoded_bytes)
+                                   max_open_shards, max_decoded_bytes, fds)
+        # dropped without close(): let go of the lease and stop the threads all the same (the
+        # finalizer holds what it releases, not the dataset)
+        self._finalizer = weakref.finalize(self, _let_go, self._cache, self._owner_pid,
+                                           self._readers, self._warmers)
         # read_batch may run in several threads (make_loader's thread workers): what it opens
         # and the tables it fills are guarded; decoding images runs outside the lock
         self._lock, self._lock_pid = threading.RLock(), os.getpid()
@@ -341,10 +362,16 @@ class CachedDataset:
         state = dict(self.__dict__)
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
         state["_warmer"] = None  # a thread stays in its process
+        state["_warmers"], state["_finalizer"] = [], None  # (a copy makes its own: __setstate__)
         state["_warming_all"] = 0
         state["_complete"], state["_faults_at_return"] = None, 0  # this process's
         state["_lock"], state["_lock_pid"] = None, 0  # a lock does not travel; made on use
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._finalizer = weakref.finalize(self, _let_go, self._cache, self._owner_pid,
+                                           self._readers, self._warmers)
 
     def _guard(self) -> threading.RLock:
         """This process's lock over the readers and row tables (a forked or unpickled copy
@@ -367,6 +394,7 @@ class CachedDataset:
     def _shard_warmer(self) -> ShardWarmer:
         if self._warmer is None or self._warmer_pid != os.getpid():  # none, or the parent's
             self._warmer, self._warmer_pid = ShardWarmer(), os.getpid()
+            self._warmers.append(self._warmer)
         return self._warmer
 
     @property
@@ -376,7 +404,8 @@ class CachedDataset:
 
     @property
     def max_open_shards(self) -> int:
-        return self._readers.max_open
+        """Shard files this process may keep open now (see the class docstring)."""
+        return self._readers.limit()
 
     def _reader(self, shard: int) -> ShardReader:
         """Shard ``shard``'s open reader."""
@@ -458,7 +487,7 @@ class CachedDataset:
         if len(closed) < 2:
             return  # nothing to overlap
         self._advise_tails(closed)
-        if len(closed) > self._readers.max_open - len(self._readers) or (
+        if len(closed) > self._readers.room() or (
                 self._warm_whole_shards and self._warming_all == os.getpid()):
             return  # opening them would close some of them again; or see above
         readers = [self._readers.get(shard) for shard in closed]  # parses each footer
@@ -741,12 +770,44 @@ class CachedDataset:
     def __getitem__(self, index: int) -> Sample:
         return self.__getitems__([index])[0]
 
+    def read_column(self, name: str) -> Any:
+        """Every row of column ``name`` (one of ``columns``), in index order: an array for a
+        fixed-shape column, else a list. Read a few shards at a time: a read holds the files of
+        every shard it touches until it returns (its rows are views of them), so one read of
+        the whole cache would hold all of them (``max_open_shards``)."""
+        step = max(1, self.max_open_shards // 2)
+        shards = len(self._first) - 1
+        parts = [self.read_batch(np.arange(self._first[s], self._first[min(s + step, shards)]))[name]
+                 for s in range(0, shards, step)]
+        if self._cache.manifest.schema[name].kind in ("ndarray", "scalar"):
+            spec = self._cache.manifest.schema[name]
+            return (np.concatenate(parts) if parts
+                    else np.empty((0, *spec.shape), np.dtype(spec.dtype)))
+        return [value for part in parts for value in part]
+
+    def close_files(self) -> None:
+        """Close the shard files this process has open (they open again when next read); the
+        generation stays held."""
+        with self._guard():
+            self._readers.close()
+            self._complete = None
+
     def close(self) -> None:
-        """Close the shard files and let go of the generation (its lease)."""
-        if self._owner_pid == os.getpid():  # not a forked worker's copy: the lease is ours
-            self._cache.close()
-        if self._warmer is not None and self._warmer_pid == os.getpid():
-            self._warmer.close()
+        """Close the shard files and let go of the generation (its lease); dropping the last
+        reference to the dataset does the same."""
+        _let_go(self._cache, self._owner_pid, self._readers, self._warmers)
         self._warmer = None
-        self._readers.close()
         self._resident = None
+
+
+def _let_go(cache: Cache, owner_pid: int, readers: OpenShards, warmers: list[ShardWarmer]) -> None:
+    """Release what a dataset holds in this process: its lease (only in the process that took
+    it, ``owner_pid``; not a forked worker's copy), its warming threads, its open shards. For
+    ``close()`` and the finalizer that runs when the dataset is dropped; a second call does
+    nothing more."""
+    if owner_pid == os.getpid():
+        cache.close()
+    for warmer in warmers:
+        warmer.close()  # (a forked worker's copy of its parent's does nothing)
+    warmers.clear()
+    readers.close()

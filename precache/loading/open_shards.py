@@ -6,19 +6,117 @@ columns; bounded by ``max_decoded_bytes``). Past either bound the least recently
 closed; it is opened (and decoded) again when next needed. Open files and maps belong to the
 process that opened them: a forked DataLoader worker starts with none of its parent's, and a
 pickled copy carries none. The ``RowTable``s of this process hold an entry per open reader and
-lose it when the reader is closed."""
+lose it when the reader is closed.
+
+**File descriptors.** Each open reader holds descriptors (``fds_per_reader``: one for a Parquet
+shard's map, one for an HDF5 file and one for each dataset of it NumPy maps), and a process may
+have only ``RLIMIT_NOFILE`` (``ulimit -n``, often 1024) open at once: a cache has thousands of
+shards. So the readers of every ``OpenShards`` of a process together keep at most half of the
+soft limit, less the descriptors that were open already and are not theirs (the other half is
+left to the user's own files, sockets and DataLoader pipes), shared equally among those with a
+reader open (``_ProcessFiles``). Each process counts its own: a forked worker has its own table
+of descriptors (and its parent's, inherited, count as already open)."""
 
 from __future__ import annotations
 
 import os
+import resource
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from precache.cache.formats.base import ShardReader
+from precache.cache.formats.variable import VARIABLE_KINDS
+from precache.cache.schema import ColumnSpec
 from precache.loading.row_table import RowTable
 
-__all__ = ["OpenShards"]
+__all__ = ["OpenShards", "fds_per_reader", "open_files", "shard_budget", "soft_fd_limit"]
+
+_NO_LIMIT = 1 << 20
+"""The soft limit taken when ``RLIMIT_NOFILE`` is unlimited."""
+
+
+def soft_fd_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE``: the descriptors it may have open at once."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return _NO_LIMIT if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def open_files() -> int:
+    """Descriptors this process has open now (0 where ``/proc/self/fd`` cannot be listed)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing it
+    except OSError:
+        return 0
+
+
+def fds_per_reader(format_name: str, schema: dict[str, ColumnSpec]) -> int:
+    """Descriptors an open reader of ``schema``'s columns holds: a Parquet shard one (its map;
+    Python's ``mmap`` keeps a descriptor), an HDF5 shard one for the file plus one for each
+    dataset NumPy maps (a fixed-shape column one, a variable-length column its run and its
+    ends: two). Measured in tests/precache/loading/test_open_files.py."""
+    if format_name != "hdf5":
+        return 1
+    return 1 + sum(2 if spec.kind in VARIABLE_KINDS else 1 for spec in schema.values())
+
+
+class _ProcessFiles:
+    """The descriptors the ``OpenShards`` of this process may hold together (see the module
+    docstring). ``OpenShards`` with a reader open in this process are ``active``; each may keep
+    an equal share."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+
+    def _here(self) -> None:
+        if self._pid != os.getpid():  # (a forked child: its parent's readers are not its own)
+            self._pid, self._soft, self._allowed = os.getpid(), -1, 0
+            self._active: weakref.WeakSet[OpenShards] = weakref.WeakSet()
+
+    def _count(self) -> None:
+        """How many descriptors the active readers may hold: half the soft limit, less those
+        open now that are not theirs."""
+        self._soft = soft_fd_limit()
+        ours = sum(len(shards._readers) * shards.fds_per_reader for shards in self._active)
+        self._allowed = max(0, self._soft // 2 - (open_files() - ours))
+
+    def allowed(self) -> int:
+        """Descriptors all readers of this process may hold (counted now)."""
+        with self._lock:
+            self._here()
+            self._count()
+            return self._allowed
+
+    def share(self, shards: OpenShards) -> int:
+        """Readers ``shards`` may keep open (at least one), counting it active."""
+        with self._lock:
+            self._here()
+            if shards not in self._active:
+                self._active.add(shards)
+                self._count()
+            elif self._soft != soft_fd_limit():  # the limit was changed (setrlimit)
+                self._count()
+            return max(1, self._allowed // len(self._active) // shards.fds_per_reader)
+
+    def leave(self, shards: OpenShards) -> None:
+        """``shards`` closed its readers: the others may keep more."""
+        with self._lock:
+            self._here()
+            if shards in self._active:
+                self._active.discard(shards)
+                self._count()
+
+
+_FILES = _ProcessFiles()
+
+
+def shard_budget(fds: int) -> int:
+    """Readers of ``fds`` descriptors each this process may keep open now, if they were all
+    (at least one)."""
+    return max(1, _FILES.allowed() // max(1, fds))
 
 
 class OpenShards:
@@ -26,14 +124,18 @@ class OpenShards:
 
     Args:
         open_reader: opens shard ``i``'s reader.
-        max_open: readers kept open at once.
+        max_open: readers kept open at once (``None``: as many as this process's share of
+            descriptors allows, see the module docstring; never more than that).
         max_decoded_bytes: decoded bytes the open readers may keep together.
+        fds_per_reader: descriptors a reader holds (``fds_per_reader()``).
     """
 
-    def __init__(self, open_reader: Callable[[int], ShardReader], max_open: int,
-                 max_decoded_bytes: int) -> None:
-        self.open_reader, self.max_open = open_reader, max(1, int(max_open))
+    def __init__(self, open_reader: Callable[[int], ShardReader], max_open: int | None,
+                 max_decoded_bytes: int, fds_per_reader: int = 1) -> None:
+        self.open_reader = open_reader
+        self.max_open = None if max_open is None else max(1, int(max_open))
         self.max_decoded_bytes = max_decoded_bytes
+        self.fds_per_reader = max(1, int(fds_per_reader))
         self._forget()
 
     def _forget(self) -> None:
@@ -86,10 +188,21 @@ class OpenShards:
         """Whether shard ``shard`` is open in this process."""
         return self._pid == os.getpid() and shard in self._readers
 
+    def limit(self) -> int:
+        """Readers this process may keep open now: ``max_open``, within its share of
+        descriptors (see the module docstring)."""
+        share = _FILES.share(self)
+        return share if self.max_open is None else min(self.max_open, share)
+
+    def room(self) -> int:
+        """Shards that can be opened now without closing one."""
+        return max(0, self.limit() - len(self))
+
     def _get(self, shard: int) -> ShardReader:
         reader = self._readers.get(shard)
         if reader is None:
-            if len(self._readers) >= self.max_open:
+            limit = self.limit()
+            while self._readers and len(self._readers) >= limit:
                 self._close_oldest()
             reader = self._readers[shard] = self.open_reader(shard)
         self._readers.move_to_end(shard)
@@ -125,6 +238,8 @@ class OpenShards:
         """Close every reader this process opened."""
         for reader in self.values():
             reader.close()
+        if self._pid == os.getpid():
+            _FILES.leave(self)
         self._forget()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -30,25 +30,43 @@ class PackedBlocks:
         sep_id: appended after every document (e.g. an end-of-text id) when the tokenizer does
             not already end documents with one; BERT WordPiece ends each with ``[SEP]`` (102).
         column: the column of token ids.
+        generation: the generation of the cache to read (default: the current one; under
+            ``torch.distributed``, rank 0's). The ids and the lengths are read from that one
+            generation, held while the blocks are open, even if stage 1 publishes another.
 
     Blocks are numbered in stream order; shuffle them with any sampler (``DistributedSampler``
     gives each rank its share).
     """
 
     def __init__(self, cache: str | os.PathLike[str], block_size: int, *,
-                 sep_id: int | None = None, column: str = "ids") -> None:
+                 sep_id: int | None = None, column: str = "ids",
+                 generation: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {block_size}")
         self.block_size, self.sep_id = int(block_size), sep_id
-        self._ids = CachedDataset(cache, columns=[column])
+        self._ids = CachedDataset(cache, columns=[column], generation=generation)
         self.column = column
-        lengths = CachedDataset(cache, columns=["length"]).read_batch(np.arange(len(self._ids)))
-        per_doc = lengths["length"].astype(np.int64) + (sep_id is not None)
+        # the lengths of the generation the ids come from (a re-run may have published another
+        # since: its lengths would cut blocks of another stream)
+        lengths = CachedDataset(cache, columns=["length"], generation=self._ids.generation)
+        try:
+            per_doc = lengths.read_column("length").astype(np.int64) + (sep_id is not None)
+        finally:
+            lengths.close()
         self._starts = np.concatenate([[0], np.cumsum(per_doc)])  # stream offset of each document
         self.tokens = int(self._starts[-1])
 
     def __len__(self) -> int:
         return self.tokens // self.block_size
+
+    @property
+    def generation(self) -> int:
+        """The generation of the cache the blocks are cut from."""
+        return self._ids.generation
+
+    def close(self) -> None:
+        """Let go of the generation and close the shard files (dropping the blocks does too)."""
+        self._ids.close()
 
     def block(self, index: int) -> np.ndarray:
         """Tokens ``[index * block_size, (index + 1) * block_size)`` of the stream, as int64."""

@@ -35,7 +35,9 @@ Volumes small enough to feed whole (MedMNIST's 28^3 and 64^3) need no patches: a
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +45,8 @@ import numpy as np
 import torch
 
 from precache.cache import Cache
-from precache.cache.formats.base import ShardReader
 from precache.loading.dataset import CachedDataset
+from precache.loading.open_shards import OpenShards, fds_per_reader
 
 __all__ = ["PatchDataset", "patch_corners"]
 
@@ -102,12 +104,13 @@ class PatchDataset:
         rows_of = [np.asarray(info.live_indices(), dtype=np.int64) for info in manifest.shards]
         self._shard = np.concatenate([np.full(len(r), s, np.int32) for s, r in enumerate(rows_of)])
         self._row = np.concatenate(rows_of)
-        self.keys = np.array(self._rows.read_batch(range(len(self._rows)))["key"], dtype=str)
+        self.keys = np.array(self._rows.read_column("key"), dtype=str)
+        self._rows.close_files()  # it holds the generation; volumes are read through _volumes
         self.labels: np.ndarray | None = None
         self.classes: list[str] = []
         if "label" in manifest.schema:
             labels = CachedDataset(cache, columns=["label"], generation=self.generation)
-            self.labels = np.array(labels.read_batch(range(len(labels)))["label"], dtype=str)
+            self.labels = np.array(labels.read_column("label"), dtype=str)
             labels.close()
             self.classes = list(classes) if classes is not None else sorted(set(self.labels.tolist()))
             missing = set(self.labels) - set(self.classes)
@@ -115,8 +118,12 @@ class PatchDataset:
                 raise ValueError(f"labels {sorted(missing)} are not among classes {self.classes}")
             index = {name: i for i, name in enumerate(self.classes)}
             self.targets = np.array([index[name] for name in self.labels], dtype=np.int64)
+        # volume readers: opened as items need them, as many at once as the process's open-file
+        # limit allows (open_shards), least recently used closed first
+        self._fds = fds_per_reader(manifest.format, {column: spec})
         self._cache: Cache | None = None
-        self._readers: dict[int, ShardReader] = {}
+        self._readers: OpenShards | None = None
+        self._lock = threading.Lock()
         self._pid = -1
         self._rng: np.random.Generator | None = None
 
@@ -125,21 +132,25 @@ class PatchDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_cache=None, _readers={}, _pid=-1, _rng=None)  # opened where they are read
+        state.update(_cache=None, _readers=None, _pid=-1, _rng=None,  # opened where read
+                     _lock=None)
         return state
 
     def _volumes(self, shard: int) -> np.ndarray:
         """Shard ``shard``'s volumes as a mapped ``(n, D, H, W)`` view (read-only), opened in
         this process (a forked worker opens its own)."""
         if self._pid != os.getpid():
-            self._cache, self._readers, self._pid = None, {}, os.getpid()
+            self._cache, self._readers, self._pid = None, None, os.getpid()
+            self._lock = threading.Lock()
             self._rng = np.random.default_rng([self.seed, torch.initial_seed() % 2**63])
-        if self._cache is None:
-            self._cache = Cache(self.path, generation=self.generation)
-        reader = self._readers.get(shard)
-        if reader is None:
-            reader = self._readers[shard] = self._cache.reader(shard, columns=[self.column])
-        mapped = reader.mapped().get(self.column)
+        with self._lock:  # (thread workers share the readers)
+            if self._readers is None:
+                self._cache = Cache(self.path, generation=self.generation)
+                self._readers = OpenShards(functools.partial(self._cache.reader,
+                                                             columns=[self.column]),
+                                           None, 0, self._fds)
+            # the view keeps the file mapped after another thread closes its reader
+            mapped = self._readers.get(shard).mapped().get(self.column)
         if mapped is None:
             raise ValueError(f"{self.path}: column {self.column!r} of shard {shard} cannot be "
                              "memory-mapped (a cache written before fixed-shape columns were "
@@ -171,8 +182,8 @@ class PatchDataset:
         return [self[int(i)] for i in indices]
 
     def close(self) -> None:
-        """Close the shard files this process opened."""
-        for reader in self._readers.values():
-            reader.close()
-        self._readers = {}
+        """Close the shard files this process opened, and let go of the generation."""
+        if self._readers is not None and self._pid == os.getpid():
+            self._readers.close()
+        self._readers = None
         self._rows.close()

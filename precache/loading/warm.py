@@ -40,6 +40,7 @@ class ShardWarmer:
     def __init__(self, threads: int = THREADS) -> None:
         self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._seen: set[Path] = set()
+        self._pid, self._closed = os.getpid(), False
         self._threads = [threading.Thread(target=self._run, name="precache-warm", daemon=True)
                          for _ in range(threads)]
         for thread in self._threads:
@@ -47,14 +48,28 @@ class ShardWarmer:
 
     def warm(self, path: Path) -> None:
         """Queue ``path`` to be read, unless it was queued before."""
-        if path not in self._seen:
+        if path not in self._seen and not self._closed:
             self._seen.add(path)
             self._queue.put(path)
 
     def close(self) -> None:
-        """Stop after the files being read."""
+        """Stop (what is queued is dropped; a file being read stops at its next chunk) and
+        wait for the threads to end, in the process that made them (a forked copy has none to
+        stop). A second call does nothing."""
+        if self._pid != os.getpid() or self._closed:
+            return
+        self._closed = True
+        try:  # what is still queued is not read
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
         for _ in self._threads:
             self._queue.put(None)
+        self._seen.clear()
+        for thread in self._threads:
+            if thread is not threading.current_thread():  # (a finalizer may run in one)
+                thread.join()
 
     def _run(self) -> None:
         sink = os.open(os.devnull, os.O_WRONLY)
@@ -66,7 +81,7 @@ class ShardWarmer:
                     continue  # gone (evicted from a disk cache): the reader reports it if needed
                 try:
                     offset = 0
-                    while sent := os.sendfile(sink, fd, offset, _CHUNK):
+                    while not self._closed and (sent := os.sendfile(sink, fd, offset, _CHUNK)):
                         offset += sent
                 except OSError:
                     pass  # only a hint: the reads that matter happen in the gather
