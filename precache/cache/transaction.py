@@ -214,13 +214,15 @@ class WriteTransaction:
         """Collect records and shards from the old manifest (same fingerprint) and the journal
         of an interrupted run; delete journal entries of other fingerprints and orphan shards."""
         layout, old, state = self.layout, self.old, _State()
+        unreadable: tuple[int, str] | None = None  # a kept generation whose manifest is not
         if old is not None:
             state.referenced |= {Path(s.path).name for s in old.shards}
             for generation in kept_generations(layout.store):  # pinned by readers, or recent
                 try:
                     kept = load_generation(layout.store, generation, old)
-                except ManifestError:
-                    continue  # unreadable: its files are orphans to this run
+                except (ManifestError, OSError) as e:
+                    unreadable = unreadable or (generation, str(e))
+                    continue
                 state.referenced |= {Path(s.path).name for s in kept.shards}
         # numbers go on past every shard file there is (names carry a content hash anyway)
         state.max_seq = max((layout.shard_seq(name) for name in layout.store.list("shards")
@@ -261,6 +263,15 @@ class WriteTransaction:
                 state.referenced.add(Path(shard.path).name)
             for record in entry["records"]:
                 state.records[record["key"]] = record
+        if unreadable is not None:
+            # which shards it names cannot be known (a reader may hold it): delete none here,
+            # as `precache gc` and the collect after publishing do in that state
+            generation, why = unreadable
+            self.log(f"precache: kept generation {generation} of '{layout.location}' has an "
+                     f"unreadable manifest ({why}); no shard was deleted: if no reader needs "
+                     f"it, delete '{layout.store.uri(generation_path(generation))}' and run "
+                     f"`precache gc {layout.location}`")
+            return state
         for shard_name in layout.store.list("shards"):
             if shard_name not in state.referenced:
                 # an orphan: written by a run that died before journaling it (only precache's

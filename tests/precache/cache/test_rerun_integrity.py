@@ -99,3 +99,30 @@ def test_a_rerun_over_a_shard_with_damaged_offsets_recomputes_its_rows_in_one_li
     assert main(run) == 0  # not stuck: the next run is a plain one
     out = capsys.readouterr()
     assert "damaged" not in out.out + out.err, out
+
+
+def test_a_rerun_keeps_the_shards_of_a_held_generation_whose_manifest_is_unreadable(
+        tmp_path: Path) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, 16)
+    build(photos, cache)
+    held = precache.Cache(cache, hold=True)  # a reader of generation 1
+    try:
+        change_inputs(photos, 0, 8)  # every row of shard 1: generation 2 does not list it
+        build(photos, cache)
+        only_held = {s.path for s in held.manifest.shards} - {
+            s.path for s in precache.Cache(cache).manifest.shards}
+        assert only_held
+        (cache / "generations" / "manifest-00001.json").write_text("{torn")
+        change_inputs(photos, 8, 1)
+        lines: list[str] = []
+        build(photos, cache, log=lines.append)
+        assert precache.Cache(cache).generation == 3
+        for path in only_held:
+            assert (cache / path).is_file(), path
+        assert any("kept generation 1 of" in line and "no shard was deleted" in line
+                   for line in lines), lines
+        batch = held.reader(0).read(columns=["key"])["key"]  # the reader still reads its rows
+        assert len(batch) == 8
+    finally:
+        held.close()
