@@ -74,9 +74,10 @@ columns: its footer and page headers (a few kB for precache's shards)."""
 def _available_memory() -> int:
     """Bytes the kernel says are available for new data (``MemAvailable``; 0 if unknown)."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
