@@ -17,6 +17,10 @@ and a re-run recomputes only the records whose bytes changed:
   file's schema is rendered as its class name, not its index.
 
 ``parse_record`` turns a record's bytes back into a dict; errors name the line or row.
+
+A file name that is not UTF-8 (``café.jpg`` written in Latin-1) is an input like any other: its
+key and locator hold each byte that is not UTF-8 as ``\\xHH`` (``escape_name``), so they can be
+stored and printed, and ``real_name`` turns a locator back into the name on disk to read it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import pyarrow.parquet as pq
 from precache.storage import is_remote, open_input_file
 
 __all__ = ["RECORD_SUFFIXES", "is_record_key", "record_name", "records_of", "read_record",
-           "parse_record", "natural_key"]
+           "parse_record", "natural_key", "escape_name", "real_name"]
 
 RECORD_SUFFIXES = (".jsonl", ".csv", ".parquet", ".arrow")
 """Files whose records are separate inputs (when the pipeline's extensions include the suffix)."""
@@ -45,6 +49,33 @@ _RECORD_KEY = re.compile(r"^(?P<file>.*\.(?:jsonl|csv|parquet|arrow)):(?P<n>\d+)
 _RANGES = re.compile(r"^(?P<path>.*)#(?P<ranges>\d+\+\d+(?:,\d+\+\d+)*)$")
 _ROW = re.compile(r"^(?P<path>.*)#row=(?P<row>\d+)$")
 _CSV_FIELD_LIMIT = 1 << 30  # the csv module's default (128 KiB) is shorter than many documents
+_ESCAPED_BYTE = re.compile(rb"\\x([0-9a-f]{2})")
+
+
+def escape_name(name: str) -> str:
+    """``name`` (a path from the OS) as valid UTF-8: each byte that is not UTF-8 (held by Python
+    as a surrogate escape) becomes ``\\xHH``. Names that are UTF-8 come back unchanged, so keys
+    stay those of caches built before. Keys and locators must be UTF-8 to be stored (Parquet,
+    JSON) and printed; ``real_name`` undoes this to read the file."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that is not an escaped byte: show it as \udXXX
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def real_name(locator: str) -> str:
+    """The name on disk of a local ``locator`` made by ``escape_name``: ``\\xHH`` back to the
+    byte, unless a file of that very name exists (a name that merely looks escaped)."""
+    if "\\x" not in locator or os.path.lexists(locator):
+        return locator
+    raw = _ESCAPED_BYTE.sub(lambda m: bytes([int(m[1], 16)]), locator.encode("utf-8"))
+    return os.fsdecode(raw)
 
 
 def is_record_key(key: str) -> bool:
@@ -86,8 +117,9 @@ def records_of(path: str) -> Iterator[tuple[int, str, int]]:
 
 
 def _open(path: str) -> Any:
-    """A local file, or a random-access file on object storage (``s3://...``)."""
-    return open_input_file(path) if is_remote(path) else open(path, "rb")
+    """A local file (``path`` as ``escape_name`` wrote it), or a random-access file on object
+    storage (``s3://...``)."""
+    return open_input_file(path) if is_remote(path) else open(real_name(path), "rb")
 
 
 def _jsonl_lines(path: str, data: bytes) -> Iterator[tuple[int, str, int]]:
@@ -130,7 +162,7 @@ def _csv_record(path: str, header: tuple[int, int], line: int, start: int,
 
 def _arrow_batches(path: str) -> Iterator[pa.RecordBatch]:
     """The record batches of an Arrow IPC file or stream (local files memory-mapped)."""
-    with (_open(path) if is_remote(path) else pa.memory_map(path)) as f:
+    with (_open(path) if is_remote(path) else pa.memory_map(real_name(path))) as f:
         try:
             reader = pa.ipc.open_file(f)
             for i in range(reader.num_record_batches):
@@ -197,7 +229,7 @@ def _table_row(path: str, row: int) -> bytes:
         if is_remote(path):  # one request per row would be slow: assume it does not change
             stamp = (path, 0, 0)
         else:
-            st = os.stat(path)
+            st = os.stat(real_name(path))
             stamp = (path, st.st_mtime_ns, st.st_size)
         if _row_group is None or _row_group[0] != stamp or not (
                 _row_group[1] <= row < _row_group[1] + len(_row_group[2])):
@@ -225,8 +257,8 @@ def read_record(locator: str) -> bytes | None:
     Raises:
         OSError: the file is unreadable, or shorter than when it was listed.
     """
-    if not is_remote(locator) and os.path.exists(locator):  # a file whose name merely looks
-        return None                                          # like a record locator
+    if not is_remote(locator) and os.path.exists(real_name(locator)):  # a file whose name
+        return None                                                     # looks like a locator
     if match := _RANGES.match(locator):
         parts = []
         with _open(match["path"]) as f:

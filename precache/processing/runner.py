@@ -29,13 +29,16 @@ from tqdm import tqdm
 
 from precache.processing.executors import WorkerDied, require_ray, run_tasks, run_tasks_ray
 from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
+from precache.processing.records import escape_name
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
 from precache.processing.worker import WorkerConfig
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
+from precache.cache.layout import CacheLayout
 from precache.cache.generations import DEFAULT_RETENTION_S
 from precache.cache.transaction import WriteTransaction
 from precache.errors import RunError
+from precache.storage import is_remote, local_path
 from precache.processing.pipeline import Pipeline, load_pipeline
 
 __all__ = ["run", "RunSummary", "RunError", "DEFAULT_SHARD_ROWS", "stage1_workers"]
@@ -76,6 +79,22 @@ class RunSummary:
         return self.computed / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def _own_files(output: str | os.PathLike[str]) -> str | os.PathLike[str] | None:
+    """What the input listing leaves out: the output and everything under it, where the cache
+    is written (a cache inside its input folder must not read its own shards and tables).
+    A local folder that holds files but no cache is not left out: the run refuses to write
+    there, with its own message, before anything is written."""
+    if is_remote(output):
+        return output
+    root = local_path(output)
+    try:
+        if root.is_dir() and any(root.iterdir()) and not CacheLayout(root).is_cache():
+            return None
+    except OSError:  # unreadable: the run reports it when it opens the output
+        pass
+    return output
+
+
 def _describe_failure(record: dict[str, Any]) -> str:
     return (f"input '{record['locator']}' failed at stage '{record['stage']}': "
             f"{record['error_type']}: {record['message']}")
@@ -103,7 +122,8 @@ def run(
 
     Args:
         pipeline: a ``Pipeline``, or a name / ``module:attr`` / path that ``load_pipeline`` finds.
-        input: a folder of inputs, one input file, or a ``.txt`` list of paths.
+        input: a folder of inputs, one input file, or a ``.txt`` list of paths. Files in
+            ``output`` (a cache kept inside its input folder) are never inputs.
         output: the cache directory (created if missing), or a URL (``s3://bucket/cache``,
             ``gs://``, ``file://``): the run then keeps its lock, journal and staging in a local
             working directory (``precache.storage.work_dir_for``), uploads each finished
@@ -157,12 +177,13 @@ def run(
     resolved = pipeline.resolve_params(params)
     descriptions = [op.describe() for op in pipeline.build_ops(resolved)]
     fp = fingerprint(descriptions, format)
-    inputs = list_inputs(input, pipeline.extensions)
+    inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
     transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
                                    overwrite=overwrite, log=log, retention_s=retention_s)
     with transaction as tx:
         todo, kept = classify(inputs, tx.records, max_input_bytes)
+        todo = tx.recompute_damaged(inputs, todo, kept)  # rows of a damaged shard: again
         deleted = len(set(tx.records) - {item.key for item in inputs})
         log(f"precache: {len(inputs)} inputs: {len(kept)} unchanged, {len(todo)} to compute"
             + (f", {deleted} deleted" if deleted else ""))
@@ -203,7 +224,7 @@ def run(
 
         touched, rewritten = tx.drop_stale_rows(kept, shard_format, first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref=pipeline.ref, params=resolved, ops=descriptions,
-                              shard_format=format, source=str(input))
+                              shard_format=format, source=escape_name(str(input)))
     wall = time.perf_counter() - start
     cache_bytes = layout.store.total_bytes()
     failures = [r for r in kept.values() if r["status"] == "failed"]

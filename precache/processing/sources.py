@@ -9,6 +9,11 @@ Only regular files are read (a symlink to one is fine): a FIFO, a device or a so
 input is a failed input, checked with ``stat`` before it is opened, so it can neither block the run
 nor feed it without end. Every read is bounded by ``max_input_bytes`` (default 2 GiB): a bigger
 input is a failed input, not a worker killed for memory.
+
+The output folder and everything under it are never inputs (``exclude``; compared by resolved
+path), so a cache kept inside its input folder does not read its own shards and tables. A file
+name that is not UTF-8 is an input like any other: its key and locator write each byte that is
+not UTF-8 as ``\\xHH`` (``records.escape_name``), and reading undoes that.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from typing import Any, Iterable
 
 import pyarrow.fs as pafs
 
-from precache.processing.records import RECORD_SUFFIXES, natural_key, read_record, records_of
-from precache.storage import Store, explained, is_remote, is_url, read_remote_bytes, resolve
+from precache.processing.records import (RECORD_SUFFIXES, escape_name, natural_key, read_record,
+                                         real_name, records_of)
+from precache.storage import (Store, explained, is_remote, is_url, local_path, read_remote_bytes,
+                              resolve)
 
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES",
            "DEFAULT_MAX_INPUT_BYTES", "NotRegularFileError", "InputTooLargeError",
@@ -97,7 +104,9 @@ def _is_regular(path: str | os.PathLike[str]) -> bool:
 @dataclass(frozen=True)
 class Input:
     """One input file: ``key`` (stable id: the path relative to the input root, POSIX style),
-    ``locator`` (where to read it), and its size and modification time (-1 if ``stat`` failed)."""
+    ``locator`` (where to read it), and its size and modification time (-1 if ``stat`` failed).
+    ``key`` and ``locator`` are valid UTF-8 (``escape_name``); ``real_name(locator)`` is the
+    local path to open."""
 
     key: str
     locator: str
@@ -108,34 +117,73 @@ class Input:
 def _stat_input(key: str, path: Path) -> Input:
     try:
         st = path.stat()
-        return Input(key, str(path), st.st_size, st.st_mtime_ns)
-    except OSError:
-        return Input(key, str(path), -1, -1)  # listed, but reading it will fail with the reason
+        return Input(escape_name(key), escape_name(str(path)), st.st_size, st.st_mtime_ns)
+    except OSError:  # listed, but reading it will fail with the reason
+        return Input(escape_name(key), escape_name(str(path)), -1, -1)
 
 
-def _walk(root: Path, extensions: tuple[str, ...]) -> Iterable[Input]:
-    """Files under ``root`` ending in ``extensions``; hidden entries and links to folders skipped."""
-    folders = [("", str(root))]
+def _inside(path: str, folder: str) -> bool:
+    """True if the resolved ``path`` is the resolved ``folder`` or under it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+class _Output:
+    """The resolved output folder, and whether a path resolves into it (links followed).
+
+    A path's folder is resolved once (cached), so a long list costs one ``lstat`` per entry."""
+
+    def __init__(self, output: str | os.PathLike[str] | None) -> None:
+        local = output is not None and not is_remote(output)
+        self.real = os.path.realpath(local_path(output)) if local else None
+        self._folders: dict[str, str] = {}
+
+    def holds(self, path: str) -> bool:
+        """True if ``path`` (as the OS names it) resolves into the output folder."""
+        if self.real is None:
+            return False
+        return _inside(self._resolve(path), self.real)
+
+    def _resolve(self, path: str) -> str:
+        if os.path.islink(path):
+            return os.path.realpath(path)
+        folder, name = os.path.split(os.path.abspath(path))
+        real = self._folders.get(folder)
+        if real is None:
+            real = self._folders[folder] = os.path.realpath(folder)
+        return os.path.join(real, name)
+
+
+def _walk(root: Path, extensions: tuple[str, ...], output: _Output) -> Iterable[Input]:
+    """Files under ``root`` ending in ``extensions``; hidden entries, links to folders and the
+    output folder skipped."""
+    folders = [("", str(root), os.path.realpath(root))]
     while folders:
-        prefix, folder = folders.pop()
+        prefix, folder, real = folders.pop()
         with os.scandir(folder) as entries:
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
                 if entry.is_dir(follow_symlinks=False):
-                    folders.append((f"{prefix}{entry.name}/", entry.path))
+                    sub = os.path.join(real, entry.name)
+                    if output.real is None or not _inside(sub, output.real):
+                        folders.append((f"{prefix}{entry.name}/", entry.path, sub))
                 elif entry.name.lower().endswith(extensions):
+                    if output.real is not None and _inside(
+                            os.path.realpath(entry.path) if entry.is_symlink()
+                            else os.path.join(real, entry.name), output.real):
+                        continue
+                    key, locator = escape_name(prefix + entry.name), escape_name(entry.path)
                     try:
                         st = entry.stat()
-                        yield Input(prefix + entry.name, entry.path, st.st_size, st.st_mtime_ns)
+                        yield Input(key, locator, st.st_size, st.st_mtime_ns)
                     except OSError:  # a broken link: listed, and reading it fails with the reason
-                        yield Input(prefix + entry.name, entry.path, -1, -1)
+                        yield Input(key, locator, -1, -1)
 
 
 def _records(item: Input) -> Iterable[Input]:
     """The records of a record file, each an input of its own (a FIFO or device named like a
     record file is not opened: it is one input, whose read fails with the reason)."""
-    if not is_remote(item.locator) and not _is_regular(item.locator):
+    if not is_remote(item.locator) and not _is_regular(real_name(item.locator)):
         yield item
         return
     try:
@@ -156,31 +204,39 @@ def _expand_records(inputs: list[Input], extensions: tuple[str, ...]) -> list[In
     return out
 
 
-def _read_list(list_file: Path) -> Iterable[Input]:
+def _read_list(list_file: Path, output: _Output) -> Iterable[Input]:
+    """The entries of a list file (bytes that are not UTF-8 name files as the OS does), but
+    those in the output folder."""
     if not _is_regular(list_file):
-        raise InputError(f"input list '{list_file}' is not a regular file "
+        raise InputError(f"input list '{escape_name(str(list_file))}' is not a regular file "
                          f"({_kind(list_file.stat().st_mode)}); pass a file, or a folder")
     base = list_file.parent
-    for line in list_file.read_text(encoding="utf-8").splitlines():
+    for line in list_file.read_bytes().decode("utf-8", "surrogateescape").splitlines():
         entry = line.strip()
         if entry and not entry.startswith("#"):
             path = Path(entry) if Path(entry).is_absolute() else base / entry
-            yield _stat_input(entry, path)
+            if not output.holds(str(path)):
+                yield _stat_input(entry, path)
 
 
-def _list_local(root: Path, extensions: tuple[str, ...]) -> list[Input]:
+def _list_local(root: Path, extensions: tuple[str, ...], output: _Output) -> list[Input]:
     """The inputs at a local path (before record files are expanded)."""
+    shown = escape_name(str(root))
     if not root.exists():
-        raise InputError(f"input path '{root}' does not exist")
+        raise InputError(f"input path '{shown}' does not exist")
+    if output.holds(str(root)):
+        raise InputError(f"input '{shown}' is inside the output folder '{output.real}', where "
+                         "precache writes its cache: put the inputs elsewhere, or choose "
+                         "another --output")
     if root.is_dir():
-        inputs = list(_walk(root, extensions))
+        inputs = list(_walk(root, extensions, output))
     elif root.name.lower().endswith(extensions):
         inputs = [_stat_input(root.name, root)]
     elif root.suffix.lower() in LIST_SUFFIXES:
-        inputs = list(_read_list(root))
+        inputs = list(_read_list(root, output))
     else:
         raise InputError(
-            f"input '{root}' is neither a folder, a file ending in {', '.join(extensions)}, "
+            f"input '{shown}' is neither a folder, a file ending in {', '.join(extensions)}, "
             f"nor a list of paths ({', '.join(LIST_SUFFIXES)})"
         )
     return inputs
@@ -251,7 +307,7 @@ def _read_remote_list(store: Store) -> list[Input]:
     return inputs
 
 
-def _dataset_files(dataset: Any) -> list[Input]:
+def _dataset_files(dataset: Any, output: _Output) -> list[Input]:
     """The Arrow files behind a ``datasets.Dataset`` (each keyed by its file name, as in the
     ``save_to_disk`` folder it was loaded from), when they hold exactly its rows."""
     if getattr(dataset, "_indices", None) is not None:
@@ -262,10 +318,11 @@ def _dataset_files(dataset: Any) -> list[Input]:
     if not files:
         raise InputError("this datasets.Dataset is in memory, with no files to read: "
                          "dataset.save_to_disk(folder) and pass the folder")
-    return [_stat_input(file.name, file) for file in files]
+    return [_stat_input(file.name, file) for file in files if not output.holds(str(file))]
 
 
-def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...]) -> list[Input]:
+def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
+                exclude: str | os.PathLike[str] | None = None) -> list[Input]:
     """List the inputs under ``path``, sorted by key.
 
     ``path`` is a folder (searched recursively for files ending in ``extensions``; hidden files
@@ -276,21 +333,28 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...])
     with ``datasets``; where ``.arrow`` is among ``extensions``): its rows are the records of
     those files, read as they are on disk (a ``set_transform`` or ``set_format`` is not applied).
 
+    ``exclude`` (the run's output) and everything under it are never inputs: a local folder by
+    resolved path (links followed), a URL by prefix.
+
     Raises:
-        InputError: the path does not exist, matches nothing, or is a file of another kind; a
+        InputError: the path does not exist, matches nothing, is a file of another kind, or is
+            inside ``exclude``; a
             dataset is in memory, selects rows through an indices mapping, or has rows that are
             not in its files.
     """
     dataset = path if hasattr(path, "cache_files") and hasattr(path, "num_rows") else None
     root = "datasets.Dataset" if dataset is not None else os.fspath(path)
+    output = _Output(exclude)
     if dataset is not None:
         if ".arrow" not in extensions:
             raise InputError(f"this pipeline reads {', '.join(extensions)} files, not the Arrow "
                              "files of a datasets.Dataset")
-        inputs = _dataset_files(dataset)
+        inputs = _dataset_files(dataset, output)
+    elif is_remote(root):
+        inputs = _outside_url(root, list_remote_inputs(root, extensions), exclude)
     else:
-        inputs = (list_remote_inputs(root, extensions) if is_remote(root)
-                  else _list_local(Path(root), extensions))
+        inputs = _list_local(Path(root), extensions, output)
+    root = escape_name(root)
     inputs = _expand_records(inputs, extensions)
     if dataset is not None and len(inputs) != dataset.num_rows:
         raise InputError(f"this datasets.Dataset has {dataset.num_rows} rows but its files hold "
@@ -304,6 +368,19 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...])
         dup = next(k for k in keys if keys.count(k) > 1)
         raise InputError(f"input '{root}' lists '{dup}' more than once")
     return inputs
+
+
+def _outside_url(root: str, inputs: list[Input], exclude: str | os.PathLike[str] | None
+                 ) -> list[Input]:
+    """``inputs`` listed at the URL ``root`` but those under the output URL ``exclude``."""
+    if not isinstance(exclude, str) or not is_remote(exclude):
+        return inputs
+    out = exclude.rstrip("/")
+    if root.rstrip("/") == out or root.startswith(out + "/"):
+        raise InputError(f"input '{root}' is inside the output '{out}', where precache writes "
+                         "its cache: put the inputs elsewhere, or choose another --output")
+    return [item for item in inputs
+            if item.locator != out and not item.locator.startswith(out + "/")]
 
 
 def _read_local(path: str, max_bytes: int) -> bytes:
@@ -355,4 +432,4 @@ def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
         if len(data) > max_bytes:
             raise _too_large(None, max_bytes)
         return data
-    return _read_local(locator, max_bytes)
+    return _read_local(real_name(locator), max_bytes)
