@@ -1,8 +1,11 @@
-"""The Lightning DataModule with a real Trainer: 2 CPU processes, DDP (gloo), bf16-mixed; a run
-stopped mid-epoch resumes from its checkpoint with exactly the samples not yet trained on."""
+"""Lightning's own loop over precache loaders, with a real Trainer: a run stopped early, in the
+middle or late in an epoch resumes from its checkpoint (``fit(ckpt_path=...)``) with exactly the
+samples not yet trained on, then trains whole epochs, on 1 rank and on 2 DDP (gloo) ranks, with a
+``CacheDataModule`` and with a ``make_loader`` loader passed to ``fit``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -15,38 +18,59 @@ from tests.helpers import build_cache, write_photos
 
 pytest.importorskip("lightning")
 JOB = Path(__file__).with_name("lightning_job.py")
+REPO = Path(__file__).parents[3]
+ROWS = 30  # batches of 4: 8 a rank on 1 rank, 4 (the last of 3) a rank on 2
 
 
-def run_job(*args: str) -> None:
-    done = subprocess.run([sys.executable, str(JOB), *args], capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning")
+    write_photos(root / "photos", ROWS)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 8},
+                workers=1, shard_rows=8)
+    return root / "cache"
 
 
-def keys_per_rank(out: Path) -> list[list[str]]:
-    return [p.read_text().split() for p in sorted(out.glob("keys-rank*.txt"))]
+def trained(log: Path, ranks: int) -> list[dict[int, list[str]]]:
+    """Per rank: epoch -> the keys it trained on, in order (``lightning_job``'s log)."""
+    per_rank = []
+    for rank in range(ranks):
+        epochs: dict[int, list[str]] = {}
+        path = log.with_name(f"{log.name}-rank{rank}.tsv")
+        for line in (path.read_text().splitlines() if path.exists() else []):
+            epoch, key = line.split("\t")
+            epochs.setdefault(int(epoch), []).append(key)
+        per_rank.append(epochs)
+    return per_rank
 
 
 @pytest.mark.slow
-def test_a_ddp_trainer_resumes_mid_epoch_without_repeating_or_skipping(tmp_path):
-    write_photos(tmp_path / "photos", 21)
-    cache = tmp_path / "cache"
-    build_cache(tmp_path / "photos", cache, pipeline="images", params={"size": 8}, workers=1,
-                shard_rows=8)
-    first, second = tmp_path / "first", tmp_path / "second"
-    run_job(str(cache), str(first), "--max-steps", "2")
-    before = keys_per_rank(first)
-    assert [len(k) for k in before] == [8, 8]  # 2 steps x batch 4 on each of 2 ranks
-    run_job(str(cache), str(second), "--resume", str(first / "last.ckpt"))
-    after = keys_per_rank(second)
-    assert len(after) == 2 and len(after[0]) == len(after[1])  # equal batches: no DDP hang
-    seen = Counter(k for keys in before + after for k in keys)
-    everything = precache.Cache(cache).read_all(["key"])["key"]
-    assert set(seen) == set(everything)
-    # 21 rows: 16 seen before the stop, the 5 left are padded to 6 for 2 ranks.
-    assert sum(seen.values()) == 22 and max(seen.values()) == 2
-    repeated = {k for k, n in seen.items() if n == 2}  # the padding, from the resumed part only
-    assert len(repeated) == 1 and not repeated & set(before[0] + before[1])
+@pytest.mark.parametrize("ranks,stops", [(1, (1, 4, 7)), (2, (1, 2, 3))])
+def test_a_trainer_resumed_mid_epoch_trains_every_sample_once_that_epoch_and_the_next(
+        cache, tmp_path, ranks, stops):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable])
+    done = subprocess.run([*launcher, str(JOB), str(cache), str(tmp_path),
+                           "--stops", ",".join(map(str, stops))], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=dict(os.environ,
+                                                                     OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    everything = sorted(precache.Cache(cache).read_all(["key"])["key"])
+    full = trained(tmp_path / "full" / "run", ranks)
+    for epoch in (0, 1):  # uninterrupted: every sample once per epoch over the ranks
+        assert sorted(k for rank in full for k in rank[epoch]) == everything
+    assert full[0][0] != full[0][1]  # reshuffled
+    for stop in stops:
+        for way in ("datamodule", "loader"):
+            first = trained(tmp_path / f"{way}-{stop}" / "first", ranks)
+            resumed = trained(tmp_path / f"{way}-{stop}" / "resumed", ranks)
+            for rank in range(ranks):
+                assert list(first[rank]) == [0] and len(first[rank][0]) == 4 * stop
+                # the rest of epoch 0, then all of epoch 1: what the uninterrupted run trained
+                assert first[rank][0] + resumed[rank][0] == full[rank][0], (way, stop, rank)
+                assert resumed[rank][1] == full[rank][1], (way, stop, rank)
+            seen = Counter(k for rank in first + resumed for k in rank[0])
+            assert sorted(seen.elements()) == everything  # epoch 0: each sample exactly once
 
 
 def test_shard_window_applies_to_the_training_rows_when_validation_is_held_out(tmp_path):
