@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["DISK_FULL", "RunError", "disk_full", "short_repr"]
+__all__ = ["DISK_FULL", "RunError", "UsageError", "disk_full", "short_repr"]
 
 DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system"}
 """errno -> words for the writes that fail for want of space (or of a writable file system)."""
@@ -17,6 +17,11 @@ if hasattr(errno, "EDQUOT"):
 
 class RunError(RuntimeError):
     """The run cannot continue; the message says what happened, where, and what to do."""
+
+
+class UsageError(ValueError):
+    """A value the user gave (a ``--set`` parameter, an argument) is wrong; the message names it
+    and the fix. The ``precache`` command prints it as one line and exits 2."""
 
 
 def short_repr(value: object) -> str:

@@ -7,8 +7,11 @@ files that are read, downloaded and deleted. So it is checked as it is parsed, b
 else is done with the cache: every shard path is ``shards/part-NNNNN<suffix of the format>``,
 the index and errors tables are plain names at the cache's top (``index-NNNNN.parquet``,
 ``errors-NNNNN.parquet``, or the ``errors.parquet`` of older versions), every checksum is
-``sha256:<64 hex digits>``, and counts, sizes and deleted rows are in range. Anything else is a
-one-line ``ManifestError`` naming the manifest, the entry and what was expected.
+``sha256:<64 hex digits>``, counts, sizes and deleted rows are in range, the schema's columns
+have a kind, dtype and shape precache writes, each op is an object with a ``name``, ``version``,
+``params`` and ``weights``, and nothing is nested deeper than ``MAX_DEPTH`` (every command would
+otherwise end in a ``RecursionError``). Anything else is a one-line ``ManifestError`` naming the
+manifest, the entry and what was expected.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from precache.cache.formats import FORMATS
 from precache.cache.formats.base import ShardInfo, check_count
@@ -27,9 +30,14 @@ from precache.errors import short_repr as _show
 from precache.storage.durable import atomic_write_bytes
 from precache.storage.hashing import CHECKSUM_FORM, is_checksum
 
-__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "TABLE_NAMES"]
+__all__ = ["Manifest", "ManifestError", "FORMAT_VERSION", "TABLE_NAMES", "MAX_DEPTH"]
 
 FORMAT_VERSION = 1
+
+MAX_DEPTH = 64
+"""The deepest nesting of objects and lists a manifest may have. precache writes a handful of
+levels (more only where a pipeline's parameters nest); Python's JSON parser and printer recurse, so a manifest of
+100,000 nested lists would end every command in a ``RecursionError``."""
 
 
 class ManifestError(ValueError):
@@ -49,6 +57,52 @@ _FIX = ("it was not written by precache or was changed since; nothing was read f
         "(if the cache is yours, rebuild it: precache run ... --overwrite)")
 
 
+_FIELDS = [("pipeline", str, "a string"), ("pipeline_ref", str, "a string"),
+           ("params", dict, "an object"), ("fingerprint", str, "a string"),
+           ("schema", dict, "an object of column name -> {kind, dtype, shape}"),
+           ("source", str, "a string"), ("precache_version", str, "a string"),
+           ("extra", dict, "an object")]
+"""Top-level fields of a plain kind: (name, type, what a message says was expected)."""
+_OPTIONAL = {"pipeline_ref", "source", "extra"}
+
+_OP_FIELDS = [("name", str, "a string"), ("version", str, "a string"),
+              ("params", dict, "an object"), ("weights", dict, "an object of file name -> hash")]
+"""What ``Op.describe`` writes for each op (``inspect`` prints each; readers look for codecs)."""
+
+
+def _check_ops(ops: Any, bad: Callable[[str], ManifestError]) -> None:
+    """Raise ``bad(...)`` unless ``ops`` is a list of op descriptions (see ``_OP_FIELDS``)."""
+    if not isinstance(ops, list):
+        raise bad(f"ops is {_show(ops)}, expected a list of objects with name, version, params "
+                  "and weights")
+    for i, op in enumerate(ops):
+        if not isinstance(op, dict):
+            raise bad(f"ops[{i}] is {_show(op)}, expected an object with name, version, params "
+                      "and weights")
+        for key, kind, words in _OP_FIELDS:
+            if key not in op:
+                raise bad(f"ops[{i}] has no {key}, expected {words}")
+            if not isinstance(op[key], kind):
+                raise bad(f"ops[{i}].{key} is {_show(op[key])}, expected {words}")
+        for file, digest in op["weights"].items():
+            if not isinstance(digest, str):
+                raise bad(f"ops[{i}].weights[{file!r}] is {_show(digest)}, expected a hash "
+                          "(a string)")
+
+
+def _too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``obj`` (parsed JSON) nests objects or lists more than ``limit`` levels deep;
+    iterative, so that the check itself cannot overflow the stack."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str, int]]:
     """The shards and counts of the manifest ``obj``, checked (see the module's docstring).
 
@@ -58,6 +112,14 @@ def _entries(obj: dict[str, Any], where: str) -> tuple[list[ShardInfo], dict[str
     def bad(text: str) -> ManifestError:
         return ManifestError(f"'{where}' is not a valid precache manifest: {text}; {_FIX}")
 
+    for key, kind, words in _FIELDS:
+        if (key in obj or key not in _OPTIONAL) and not isinstance(obj[key], kind):
+            raise bad(f"{key} is {_show(obj[key])}, expected {words}")
+    _check_ops(obj["ops"], bad)
+    try:
+        schema_from_json(obj["schema"])
+    except ValueError as e:
+        raise bad(f"schema{e}") from None
     name = obj["format"]
     shard_format = FORMATS.get(name) if isinstance(name, str) else None
     if shard_format is None:
@@ -173,6 +235,8 @@ class Manifest:
         if not isinstance(obj, dict):
             raise ManifestError(f"'{where}' is not a valid precache manifest: it holds "
                                 f"{type(obj).__name__}, expected an object; {_FIX}")
+        if _too_deep(obj):
+            raise ManifestError(_too_deep_message(where))
         version = obj.get("format_version")
         if version != FORMAT_VERSION:
             raise ManifestError(
@@ -216,6 +280,8 @@ class Manifest:
             return cls.from_json(json.loads(data.decode("utf-8")), where)
         except ManifestError:
             raise
+        except RecursionError:  # the parser's own limit (about 1,000 levels)
+            raise ManifestError(_too_deep_message(where)) from None
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
                 AttributeError) as e:
             raise ManifestError(f"'{where}' is corrupt ({type(e).__name__}: {e})") from None
@@ -223,3 +289,8 @@ class Manifest:
     def save(self, path: Path) -> None:
         """Write atomically (temporary file, fsync, rename)."""
         atomic_write_bytes(path, self.to_bytes())
+
+
+def _too_deep_message(where: str) -> str:
+    return (f"'{where}' is not a valid precache manifest: its values are nested more than "
+            f"{MAX_DEPTH} levels deep; {_FIX}")

@@ -19,8 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from precache.errors import short_repr
+
 __all__ = ["ColumnSpec", "Ragged", "ragged", "infer_spec", "rows_to_columns", "schema_to_json",
            "schema_from_json"]
+
+
+KINDS = ("ndarray", "ragged", "scalar", "str", "bytes")
+"""The kinds of column (see the module's docstring)."""
 
 
 class Ragged(np.ndarray):
@@ -63,7 +69,35 @@ class ColumnSpec:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ColumnSpec:
-        return cls(kind=obj["kind"], dtype=obj.get("dtype", ""), shape=tuple(obj.get("shape", ())))
+        """The spec ``obj`` (from a manifest or a shard's footer), checked: readers allocate
+        and decode by it.
+
+        Raises:
+            ValueError: not a spec precache writes; the message starts with the field
+                (``.kind is ...``) and says what was expected.
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f" is {short_repr(obj)}, expected an object with kind, dtype and "
+                             "shape")
+        kind, dtype, shape = obj.get("kind"), obj.get("dtype", ""), obj.get("shape", [])
+        if kind not in KINDS:
+            raise ValueError(f".kind is {short_repr(kind)}, expected one of {list(KINDS)}")
+        if not isinstance(dtype, str):
+            raise ValueError(f".dtype is {short_repr(dtype)}, expected a NumPy dtype name")
+        if kind in ("ndarray", "ragged", "scalar"):
+            try:
+                numeric = np.dtype(dtype).kind != "O"
+            except (TypeError, ValueError):  # not a dtype name
+                numeric = False
+            if not dtype or not numeric:
+                raise ValueError(f".dtype is {short_repr(dtype)}, expected a NumPy dtype name "
+                                 "such as 'uint8' or 'float32'")
+        if (not isinstance(shape, (list, tuple)) or len(shape) > 32
+                or any(type(d) is not int or d < 0 for d in shape)
+                or shape and kind != "ndarray"):
+            raise ValueError(f".shape is {short_repr(shape)}, expected a list of non-negative "
+                             "sizes (empty unless the kind is ndarray)")
+        return cls(kind=kind, dtype=dtype, shape=tuple(shape))
 
 
 def infer_spec(name: str, value: Any) -> ColumnSpec:
@@ -146,5 +180,18 @@ def schema_to_json(schema: dict[str, ColumnSpec]) -> dict[str, Any]:
 
 
 def schema_from_json(obj: dict[str, Any]) -> dict[str, ColumnSpec]:
-    """Read a schema from the manifest."""
-    return {name: ColumnSpec.from_json(spec) for name, spec in obj.items()}
+    """Read a schema from the manifest (or a shard's footer).
+
+    Raises:
+        ValueError: a column's spec is not one precache writes; the message starts with the
+            column (``.image.kind is ...``), for the caller to prefix with ``schema``.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f" is {short_repr(obj)}, expected an object of column name -> spec")
+    schema = {}
+    for name, spec in obj.items():
+        try:
+            schema[name] = ColumnSpec.from_json(spec)
+        except ValueError as e:
+            raise ValueError(f".{name}{e}") from None
+    return schema

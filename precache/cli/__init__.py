@@ -17,7 +17,7 @@ from precache.cache import CacheBusyError
 from precache.cache.manifest import ManifestError
 from precache.cli import (bench_cmd, doctor_cmd, gc_cmd, inspect_cmd, preview_cmd, run_cmd,
                           tokenizer_cmd, verify_cmd)
-from precache.errors import DISK_FULL, disk_full
+from precache.errors import DISK_FULL, UsageError, disk_full
 from precache.processing.pipeline import PipelineError
 from precache.storage import StorageError
 
@@ -26,7 +26,7 @@ __all__ = ["main"]
 _COMMANDS = (run_cmd, inspect_cmd, verify_cmd, gc_cmd, preview_cmd, bench_cmd, tokenizer_cmd,
              doctor_cmd)
 
-USAGE_ERRORS = (InputError, PipelineError)
+USAGE_ERRORS = (InputError, PipelineError, UsageError)
 """Errors in what the user typed: one line, exit 2."""
 RUN_ERRORS = (RunError, CacheBusyError, ManifestError, StorageError)
 """The job cannot go on: one line, exit 1."""

@@ -142,6 +142,14 @@ def resolve(location: str | os.PathLike[str]) -> tuple[pafs.FileSystem, str]:
     path = f"{parts.netloc}{parts.path}".rstrip("/")
     if not parts.netloc:
         raise StorageError(f"'{url}' names no bucket; write {scheme}://BUCKET/PATH")
+    dots = [s for s in parts.path.split("/") if s in (".", "..")]
+    if dots:
+        # An object store has no folders to step out of: the client would send
+        # bucket/../other/cache as other/cache, while messages (and the bucket check) name
+        # the bucket in the URL.
+        raise StorageError(f"'{url}': the path segment '{dots[0]}' is not supported in "
+                           f"{scheme}:// URLs (object keys have no parent folders to step "
+                           f"into); write the path without it, as {scheme}://BUCKET/PATH")
     if scheme in ("s3", "s3a"):
         options = tuple(sorted(_s3_options(parts.netloc).items()))
         return _filesystem("s3", options, os.getpid()), path

