@@ -53,15 +53,36 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a pretrained folder; default a tiny random BERT")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1)
-    p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
-    p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    p.add_argument("--save-at", default="", help="steps to save a checkpoint after, e.g. 1,4,7")
+    p.add_argument("--resume", default="",
+                   help="checkpoint folders to resume from, one after another in this launch "
+                        "(comma-separated); each resumed run logs under OUT/<folder's name>/")
     args = p.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", 0))
     train = CachedDataset(args.cache, columns=["ids", "label", "key"])
     labels = sorted(set(CachedDataset(args.cache, columns=["label"]).read_batch(
         range(len(train)))["label"]))
+    save_at = {int(s) for s in args.save_at.split(",") if s}
+    resumes = [r for r in args.resume.split(",") if r]
+    for resume in resumes or [None]:
+        run(args, out / Path(resume).name if resume else out, train, labels, save_at, resume)
+
+
+class SaveAt(TrainerCallback):
+    """Saves a checkpoint after the chosen steps only."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_save = state.global_step in self.steps
+
+
+def run(args: argparse.Namespace, out: Path, train: CachedDataset, labels: list[str],
+        save_at: set[int], resume: str | None) -> None:
+    """One training run (a resumed one if ``resume``), logged under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", 0))
     torch.manual_seed(0)
     if args.model:
         model = BertForSequenceClassification.from_pretrained(args.model, num_labels=len(labels))
@@ -73,14 +94,15 @@ def main() -> None:
     collate = BatchesLogged({name: i for i, name in enumerate(labels)},
                             out / f"batches-rank{rank}.tsv")
     trainer = PrecacheTrainer(
-        model=model, train_dataset=train, data_collator=collate, callbacks=[Epochs(collate)],
+        model=model, train_dataset=train, data_collator=collate,
+        callbacks=[Epochs(collate), SaveAt(save_at)],
         args=TrainingArguments(
             output_dir=str(out / "trainer"), per_device_train_batch_size=4,
             per_device_eval_batch_size=16, num_train_epochs=args.epochs, max_steps=args.max_steps,
             learning_rate=5e-4, report_to=[], logging_steps=1, use_cpu=True, seed=0,
-            save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+            save_strategy="steps" if save_at else "no", save_steps=10**9,
             dataloader_num_workers=0, disable_tqdm=True))
-    result = trainer.train(resume_from_checkpoint=args.resume)
+    result = trainer.train(resume_from_checkpoint=resume)
     changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     evaluation = trainer.evaluate(eval_dataset=train)
     if rank == 0:

@@ -145,7 +145,8 @@ def run_job(out: Path, cache: Path, ranks: int, *args: str) -> dict:
     done = subprocess.run([*launcher, *job], capture_output=True, text=True, timeout=400,
                           env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    result = out / "result.json"  # a launch of several resumes writes one per resume instead
+    return json.loads(result.read_text()) if result.exists() else {}
 
 
 def batches_by_epoch(out: Path, ranks: int) -> dict[int, list[list[list[str]]]]:
@@ -183,9 +184,13 @@ def test_the_shipped_minilm_trains_on_one_process_seeing_every_sample_once_per_e
 
 @pytest.mark.slow
 def test_trainer_on_two_ranks_sees_every_sample_once_also_after_a_resume(corpus, tmp_path):
+    """Checkpoints after an early, a middle and a late step of epoch 0; each resumed
+    (``resume_from_checkpoint``, one launch for the three) trains the rest of epoch 0 and then
+    epoch 1, the batches the uninterrupted run trained on."""
     keys = sorted(rows(corpus / "cache", ["key"])["key"])
     steps = -(-DOCS // 8)  # 7 full global batches of 2 x 4, and one of 2 + 2
-    result = run_job(tmp_path / "a", corpus / "cache", 2, "--save-steps", str(steps + 3))
+    stops = (1, 4, 7)
+    result = run_job(tmp_path / "a", corpus / "cache", 2, "--save-at", ",".join(map(str, stops)))
     assert result["world_size"] == 2 and result["steps"] == 2 * steps  # not re-split by accelerate
     assert all(math.isfinite(x) for x in result["losses"]) and math.isfinite(result["eval_loss"])
     epochs = batches_by_epoch(tmp_path / "a", 2)
@@ -193,12 +198,15 @@ def test_trainer_on_two_ranks_sees_every_sample_once_also_after_a_resume(corpus,
     assert_once_per_epoch(epochs, keys)
     assert [len(b) for b in epochs[0][0]].count(2) == 1  # the smaller last batch, no repeats
 
-    checkpoint = tmp_path / "a" / "trainer" / f"checkpoint-{steps + 3}"
-    resumed = run_job(tmp_path / "b", corpus / "cache", 2, "--resume", str(checkpoint))
-    assert resumed["steps"] == 2 * steps
-    after = batches_by_epoch(tmp_path / "b", 2)
-    assert sorted(after) == [1]  # the rest of epoch 1: the batches the first run trained on
-    assert after[1] == [batches[3:] for batches in epochs[1]]
+    checkpoints = [tmp_path / "a" / "trainer" / f"checkpoint-{stop}" for stop in stops]
+    run_job(tmp_path / "b", corpus / "cache", 2, "--resume", ",".join(map(str, checkpoints)))
+    for stop, checkpoint in zip(stops, checkpoints):
+        resumed = json.loads((tmp_path / "b" / checkpoint.name / "result.json").read_text())
+        assert resumed["steps"] == 2 * steps
+        after = batches_by_epoch(tmp_path / "b" / checkpoint.name, 2)
+        assert sorted(after) == [0, 1]  # the rest of epoch 0, then epoch 1 as the first run
+        assert after[0] == [batches[stop:] for batches in epochs[0]], stop
+        assert after[1] == epochs[1], stop
 
 
 # ---- a cache as a datasets.Dataset --------------------------------------------------------------
