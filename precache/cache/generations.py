@@ -38,7 +38,8 @@ from typing import Any, Callable, Collection
 
 from precache.cache.manifest import Manifest, ManifestError
 from precache.storage import Store
-from precache.storage.lease import process_gone, process_identity, unverifiable
+from precache.storage.lease import (process_alive, process_gone, process_identity,
+                                    unverifiable)
 from precache.storage.locations import explained
 
 __all__ = ["GenerationError", "ReaderLease", "GENERATIONS", "READERS", "DEFAULT_RETENTION_S",
@@ -163,8 +164,9 @@ def _modified(store: Store, rel: str) -> float | None:
 def live_leases(store: Store, *, ttl_s: float = LEASE_TTL_S) -> dict[int, list[dict[str, Any]]]:
     """Generation -> the live reader leases on it (stale ones are left out).
 
-    A lease is stale once its ``expires`` time has passed, or once its process is known to be
-    gone (``process_gone``: same host, boot and PID namespace as this process, and the pid is
+    A lease is stale once its ``expires`` time has passed and its process is not known to be
+    alive (``process_alive``: a reader stopped with SIGSTOP renews nothing but still holds its
+    generation), or once its process is known to be gone (``process_gone``: same host, boot and PID namespace as this process, and the pid is
     free or was reused; a lease that records no boot id and namespace, from an older precache,
     holds until it expires). A lease file that cannot be read (torn, foreign) counts as live
     until it is older than ``ttl_s`` by its modification time (for ever if the store keeps
@@ -192,8 +194,8 @@ def _scan_leases(store: Store, ttl_s: float) -> tuple[dict[int, list[dict[str, A
             modified = _modified(store, f"{READERS}/{name}")
             expires = float("inf") if modified is None else modified + ttl_s
             lease = {"host": "?", "pid": "?", "expires": expires, "torn": True}
-        if expires < now or process_gone(lease):
-            stale.append(name)
+        if process_gone(lease) or (expires < now and not process_alive(lease)):
+            stale.append(name)  # an expired lease of a live (stopped) reader still holds
             continue
         lease["name"] = name
         live.setdefault(int(match.group(1)), []).append(lease)
@@ -244,6 +246,9 @@ def _held_by(leases: list[dict[str, Any]]) -> str:
     why = unverifiable(lease)
     unknown = (f" ({why}: kept until the lease expires)"
                if why is not None and lease.get("host") == socket.gethostname() else "")
+    if expires < time.time():  # live only because its process is (stopped, say)
+        return (f"held by a reader on host {lease.get('host', '?')} pid {lease.get('pid', '?')}"
+                f" whose lease expired at {until} but whose process is alive (stopped?){more}")
     return (f"held by a reader on host {lease.get('host', '?')} pid {lease.get('pid', '?')}"
             f"{unknown} until {until}{more}")
 

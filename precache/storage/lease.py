@@ -35,7 +35,7 @@ from typing import Any
 from precache.storage.store import Store
 
 __all__ = ["WriterLease", "LeaseLost", "LEASE_FILE", "TTL_S", "HEARTBEAT_S", "pid_alive",
-           "process_identity", "process_gone", "unverifiable"]
+           "process_identity", "process_gone", "process_alive", "unverifiable"]
 
 LEASE_FILE = ".writer.json"
 TTL_S = 120.0
@@ -138,6 +138,34 @@ def process_gone(record: dict[str, Any]) -> bool:
         return False
     started = start_time(pid)
     return started is not None and started != recorded
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process ``pid`` has exited and waits to be reaped (state ``Z`` in
+    ``/proc/<pid>/stat``): it holds nothing any more."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def process_alive(record: dict[str, Any]) -> bool:
+    """Whether the process a lease ``record`` names is known to be alive: it ran on this host,
+    boot and PID namespace, and its pid names a process (not a zombie) started at the time
+    the lease records. A reader stopped (SIGSTOP, a debugger) renews nothing, yet still holds
+    what it opened: its lease must not lapse while it lives. Where that cannot be known
+    (``unverifiable``, or no start time recorded), ``False``: only the lease's expiry tells."""
+    if unverifiable(record) is not None:
+        return False
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    recorded = record.get("start_time")
+    if pid <= 0 or recorded is None or not pid_alive(pid) or _zombie(pid):
+        return False
+    return start_time(pid) == recorded
 
 
 class WriterLease:
