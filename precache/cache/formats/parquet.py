@@ -228,7 +228,7 @@ def _ends_checksums(file: pq.ParquetFile) -> dict[str, int]:
     try:
         found = json.loads((file.metadata.metadata or {})[ENDS_CRC_KEY])
         return {str(k): int(v) for k, v in found.items()}
-    except (KeyError, ValueError, TypeError, AttributeError):
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
         return {}
 
 
@@ -342,7 +342,7 @@ class ParquetShardReader(ShardReader):
         arrow = file.schema_arrow
         try:
             written = _written_schema((arrow.metadata or {})[SCHEMA_KEY])
-        except (KeyError, ValueError, TypeError, AttributeError):
+        except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
             written = {}  # an older precache's shard: the Arrow types still tell a lot
         for name, spec in self.schema.items():
             index = arrow.get_field_index(name)

@@ -112,3 +112,21 @@ def test_a_url_stepping_into_another_bucket_reads_nothing_there(
         f"precache: error: '{out}': {fix}"), done.stderr
     assert remote_files(s3, f"s3://{other}") == before
     assert remote_files(s3, f"s3://{bucket}") == {}
+
+
+def test_a_shard_whose_footer_schema_is_nested_deeply_still_reads(photos: Path,
+                                                                  tmp_path: Path) -> None:
+    """The schema a Parquet shard's footer records is JSON too: 100,000 nested lists there were
+    a ``RecursionError`` on opening the shard; now it counts as absent (the Arrow types are
+    still checked), as for a shard of an older precache."""
+    import pyarrow.parquet as pq
+
+    from precache.cache.formats.parquet import SCHEMA_KEY
+
+    cache = build_counting(photos, tmp_path / "cache").cache
+    shard = cache / json.loads((cache / "manifest.json").read_text())["shards"][0]["path"]
+    table = pq.read_table(shard)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, SCHEMA_KEY: deep}),
+                   shard)
+    assert Cache(cache).read_all(["key"])["key"] == table.column("key").to_pylist()
