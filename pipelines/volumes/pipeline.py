@@ -4,6 +4,7 @@
     precache run volumes -i organmnist3d.npz -o cache/ --set shape=28
     precache run volumes -i ct/ -o cache/ --set window=-1000,400 --set spacing=1.5,1.5,3 \
         --set shape=128,128,96 --set foreground=0.05 --set labels=meta.csv
+    precache run volumes -i big/ -o cache/ --set max_voxels=1073741824   # inputs over 2^29 voxels
 
 Inputs: NIfTI (``.nii``, ``.nii.gz``; a 4D file gives one row per volume), ``.npy`` (one volume,
 or a stack N x D x H x W) and MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
@@ -14,11 +15,17 @@ Columns: ``volume`` (``shape``, ``dtype``: uint8 = round(255 x the 0..1 intensit
 ``spacing`` (mm, stored), ``original_shape``, ``original_spacing``, ``split`` (``""`` unless an
 ``.npz`` split), ``label`` (the first folder, a .csv/.json file, or the ``.npz``; none with
 ``labels=none``), plus ``key``, ``source_key`` and ``source_hash``. See docs/volumes.md.
+
+An input whose header claims more than ``max_voxels`` voxels (all its volumes together; default
+2^29 = 536,870,912, 2 GiB as float32) is a failed input, refused before it is decompressed: a
+210 KB ``.nii.gz`` of zeros can claim 1024^3 voxels. ``--max-input-bytes`` bounds only the file's
+own (compressed) bytes.
 """
 
 from __future__ import annotations
 
 from precache.processing.ops import Op
+from precache.processing.ops.volume_read import DEFAULT_MAX_VOXELS
 from precache.processing.ops.volume import (VOLUME_EXTENSIONS, CropForeground, DecodeVolume,
                                             FitShape, NormaliseIntensity, Resample, VolumeLabels)
 from precache.processing.pipeline import Pipeline
@@ -26,11 +33,13 @@ from precache.processing.pipeline import Pipeline
 
 def make_ops(spacing: tuple = (0.0,), shape: tuple = (64,), percentiles: tuple = (0.5, 99.5),
              window: tuple = (0.0, 0.0), dtype: str = "uint8", foreground: float = 0.0,
-             margin: int = 2, labels: str = "folder") -> list[Op]:
-    """Decode and reorient; resample to ``spacing`` mm (0: keep); clip to ``window`` (or the
+             margin: int = 2, labels: str = "folder",
+             max_voxels: int = DEFAULT_MAX_VOXELS) -> list[Op]:
+    """Decode and reorient (refusing inputs over ``max_voxels`` voxels, all volumes together,
+    before decompressing them); resample to ``spacing`` mm (0: keep); clip to ``window`` (or the
     ``percentiles``) and scale to ``dtype``; crop to voxels over ``foreground`` (0: off) with
     ``margin``; centre pad / crop to ``shape``; label (``labels``: folder, none, or a file)."""
-    return [DecodeVolume(), Resample(spacing=spacing),
+    return [DecodeVolume(max_voxels=max_voxels), Resample(spacing=spacing),
             NormaliseIntensity(percentiles=percentiles, window=window, dtype=dtype),
             CropForeground(threshold=foreground, margin=margin), FitShape(shape=shape),
             VolumeLabels(labels=labels)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from precache.processing.ops.base import Op, Sample
 from precache.processing.ops.labels import Labels
-from precache.processing.ops.volume_read import read_volumes
+from precache.processing.ops.volume_read import DEFAULT_MAX_VOXELS, check_max_voxels, read_volumes
 
 __all__ = ["VOLUME_EXTENSIONS", "DecodeVolume", "Resample", "NormaliseIntensity",
            "CropForeground", "FitShape", "VolumeLabels", "triple", "VOLUME_DTYPES"]
@@ -71,13 +71,29 @@ class DecodeVolume(Op):
     """Read a NIfTI / ``.npy`` / ``.npz`` input (``volume_read.read_volumes``) into float32
     ``volume`` rows in RAS orientation, with ``affine``, ``spacing``, ``original_shape``,
     ``original_spacing`` and ``split`` (``""`` unless an ``.npz`` split). An input holding many
-    volumes gives many rows, keyed ``<file>#<split><n>`` (``.npz``) or ``<file>#t<n>`` (4D)."""
+    volumes gives many rows, keyed ``<file>#<split><n>`` (``.npz``) or ``<file>#t<n>`` (4D).
+
+    Args:
+        max_voxels: the most voxels one input may decode to, all its volumes together
+            (default 2^29: 2 GiB as float32). A file whose header claims more is a failed input,
+            refused before anything is decompressed (a tiny ``.nii.gz`` of zeros can claim
+            gigabytes). Part of the fingerprint only when not the default, so caches built
+            before the limit existed stay valid.
+    """
 
     name = "decode_volume"
     version = "1"
 
+    def __init__(self, *, max_voxels: int = DEFAULT_MAX_VOXELS) -> None:
+        self.max_voxels = check_max_voxels(max_voxels)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {} if self.max_voxels == DEFAULT_MAX_VOXELS else {"max_voxels": self.max_voxels}
+
     def __call__(self, sample: Sample) -> Sample | list[Sample]:
-        records = read_volumes(sample["data"], PurePosixPath(sample["source_key"]).name)
+        records = read_volumes(sample["data"], PurePosixPath(sample["source_key"]).name,
+                               self.max_voxels)
         rows = []
         for record in records:
             row = {k: v for k, v in sample.items() if k != "data"}

@@ -6,18 +6,81 @@ flips of the voxel axes, no resampling) with their affine; NumPy volumes have no
 their affine is the identity (1 mm voxels, axes taken as RAS). A 4D NIfTI or a 4D ``.npy`` gives
 one record per volume of its last (NIfTI) or first (NumPy) axis. Every failure is a
 ``ValueError`` that says what is wrong with the file and what to do about it.
+
+A file is decoded only if its header's shape holds at most ``max_voxels`` voxels (all its
+volumes together): a 210 KB ``.nii.gz`` of zeros can claim 1024^3 voxels, gigabytes once
+decompressed and converted to float32. The header is read first (a NIfTI header from the
+first bytes of the gzip stream, the ``.npy`` header of each array a ``.npz`` member holds),
+and a gzip stream is never inflated past the bytes its header says the volume needs.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
+import math
+import zipfile
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["VolumeRecord", "read_volumes", "NPZ_SPLITS"]
+__all__ = ["VolumeRecord", "read_volumes", "NPZ_SPLITS", "DEFAULT_MAX_VOXELS",
+           "check_max_voxels"]
+
+DEFAULT_MAX_VOXELS = 2**29
+"""The most voxels one input may decode to (536,870,912: 2 GiB as float32, e.g. 1024 x 1024 x
+512, or 2,000 volumes of 64^3): above any CT or MRI series, and small enough that a file whose
+header lies (a decompression bomb) fails its input instead of a worker killed for memory."""
+
+
+def check_max_voxels(value: object) -> int:
+    """``value`` as a voxel limit; ``ValueError`` unless it is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_voxels must be a positive number of voxels, got {value!r}")
+    return value
+
+
+def _check_voxels(shape: tuple[int, ...], dtype: np.dtype, max_voxels: int, what: str) -> None:
+    """Refuse ``shape`` (from a header, before any data is decoded) above ``max_voxels``."""
+    voxels = math.prod(shape)
+    if voxels > max_voxels:
+        raise ValueError(
+            f"{what} says shape {shape} of {dtype} ({voxels:,} voxels, "
+            f"{voxels * 4 / 1024**3:.1f} GiB as float32): more than max_voxels "
+            f"({max_voxels:,}), so it is not decoded; if the volume is real, raise the limit "
+            "with --set max_voxels=N")
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    """The first ``limit`` bytes the gzip stream ``data`` inflates to (all of them if fewer),
+    never inflating more: a stream of zeros that inflates to gigabytes costs ``limit`` bytes."""
+    out = bytearray()
+    rest = data
+    while rest and len(out) < limit:
+        inflate = zlib.decompressobj(wbits=31)
+        try:
+            out += inflate.decompress(rest, limit - len(out))
+            if not inflate.eof and len(out) >= limit and inflate.unconsumed_tail:
+                inflate.decompress(inflate.unconsumed_tail, 1)  # checks the CRC if it ends here
+        except zlib.error as e:
+            raise ValueError(f"the gzip stream is broken ({e}): the .nii.gz file is truncated "
+                             "or corrupt; copy it again from its source") from None
+        if not inflate.eof:
+            if len(out) >= limit:
+                break  # more data than asked for: the caller needs no more
+            raise ValueError("the gzip stream is broken (it ends before its end marker): the "
+                             ".nii.gz file is truncated or corrupt; copy it again from its source")
+        rest = inflate.unused_data
+    return bytes(out[:limit])
+
+
+def _npy_header(f: object) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype in the ``.npy`` header at the start of ``f`` (no data read)."""
+    fmt = np.lib.format
+    version = fmt.read_magic(f)
+    read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = read(f)
+    return tuple(int(n) for n in shape), dtype
 
 NPZ_SPLITS = ("train", "val", "test")
 """MedMNIST's ``.npz`` splits: ``<split>_images`` (N x D x H x W) and ``<split>_labels`` (N x 1)."""
@@ -45,22 +108,29 @@ def _check_3d(array: np.ndarray, what: str) -> None:
                          "voxels along every axis (is it a 2D image saved as 3D?)")
 
 
-def _nifti(data: bytes) -> list[VolumeRecord]:
+def _nifti(data: bytes, max_voxels: int) -> list[VolumeRecord]:
     import nibabel as nib
 
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (EOFError, OSError, zlib.error) as e:
-            raise ValueError(f"the gzip stream is broken ({e}): the .nii.gz file is truncated or "
-                             "corrupt; copy it again from its source") from None
-    if len(data) < 348:
-        raise ValueError(f"{len(data)} bytes: too short for a NIfTI header (348 bytes)")
-    sizeof_hdr = {int.from_bytes(data[:4], order) for order in ("little", "big")}
+    gzipped = data[:2] == b"\x1f\x8b"
+    head = _gunzip(data, 540) if gzipped else data[:540]
+    if len(head) < 348:
+        raise ValueError(f"{len(head)} bytes: too short for a NIfTI header (348 bytes)")
+    sizeof_hdr = {int.from_bytes(head[:4], order) for order in ("little", "big")}
     cls = nib.Nifti2Image if 540 in sizeof_hdr else nib.Nifti1Image
     if not sizeof_hdr & {348, 540}:
         raise ValueError("not a NIfTI-1 or NIfTI-2 file (its first 4 bytes are not 348 or 540, "
                          "the header size)")
+    size = 540 if cls is nib.Nifti2Image else 348
+    try:
+        header = cls.header_class(binaryblock=head[:size], check=False)
+        shape = tuple(int(n) for n in header.get_data_shape())
+        dtype = header.get_data_dtype()
+        offset = max(int(header.get_data_offset()), size + 4)
+    except Exception as e:  # noqa: BLE001 - nibabel's header checks raise many kinds
+        raise ValueError(f"the NIfTI header does not parse ({type(e).__name__}: {e})") from None
+    _check_voxels(shape, dtype, max_voxels, "the NIfTI header")
+    if gzipped:
+        data = _gunzip(data, offset + math.prod(shape) * dtype.itemsize)
     try:
         image = cls.from_bytes(data)
     except Exception as e:  # noqa: BLE001 - nibabel's header checks raise many kinds
@@ -85,19 +155,40 @@ def _nifti(data: bytes) -> list[VolumeRecord]:
             for t in range(voxels.shape[3])]
 
 
-def _npz(data: bytes) -> list[VolumeRecord]:
+def _npz(data: bytes, max_voxels: int) -> list[VolumeRecord]:
+    """The volumes of a MedMNIST-style archive; only the ``<split>_images`` / ``_labels``
+    members are read, and only once their headers show they hold at most ``max_voxels``."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = {n.removesuffix(".npy"): n for n in archive.namelist()}
+            splits = [s for s in NPZ_SPLITS if f"{s}_images" in names]
+            wanted = [f"{s}_{kind}" for s in splits for kind in ("images", "labels")
+                      if f"{s}_{kind}" in names]
+            headers = {}
+            for name in wanted:
+                with archive.open(names[name]) as member:
+                    headers[name] = _npy_header(member)
+    except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, zlib.error, ValueError ...
+        raise ValueError(f"not a readable .npz archive ({type(e).__name__}: {e}); write it with "
+                         "numpy.savez") from None
+    if not splits:
+        raise ValueError(f"the .npz holds {sorted(names)}; expected MedMNIST-style "
+                         "'train_images' / 'train_labels' (and val_, test_): N x D x H x W "
+                         "volumes and N labels")
+    for name, (shape, dtype) in headers.items():
+        _check_voxels(shape, dtype, max_voxels, f"'{name}'")
+    total = sum(math.prod(shape) for shape, _ in headers.values())
+    if total > max_voxels:
+        raise ValueError(f"the .npz's volumes and labels hold {total:,} voxels in all: more than "
+                         f"max_voxels ({max_voxels:,}), so they are not decoded; split the "
+                         "archive, or raise the limit with --set max_voxels=N")
     try:
         archive = np.load(io.BytesIO(data), allow_pickle=False)
-        arrays = {name: archive[name] for name in archive.files}
+        arrays = {name: archive[name] for name in wanted}
     except Exception as e:  # noqa: BLE001 - zipfile.BadZipFile, zlib.error, ValueError ...
         raise ValueError(f"not a readable .npz archive ({type(e).__name__}: {e}); write it with "
                          "numpy.savez") from None
     records: list[VolumeRecord] = []
-    splits = [s for s in NPZ_SPLITS if f"{s}_images" in arrays]
-    if not splits:
-        raise ValueError(f"the .npz holds {sorted(arrays)}; expected MedMNIST-style "
-                         "'train_images' / 'train_labels' (and val_, test_): N x D x H x W "
-                         "volumes and N labels")
     identity = np.eye(4)
     for split in splits:
         images = arrays[f"{split}_images"]
@@ -120,7 +211,12 @@ def _npz(data: bytes) -> list[VolumeRecord]:
     return records
 
 
-def _npy(data: bytes) -> list[VolumeRecord]:
+def _npy(data: bytes, max_voxels: int) -> list[VolumeRecord]:
+    try:
+        shape, dtype = _npy_header(io.BytesIO(data))
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"not a readable .npy file ({e}); write it with numpy.save") from None
+    _check_voxels(shape, dtype, max_voxels, "the .npy header")
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -133,30 +229,33 @@ def _npy(data: bytes) -> list[VolumeRecord]:
     return [VolumeRecord(array.astype(np.float32), np.eye(4))]
 
 
-def read_volumes(data: bytes, name: str) -> list[VolumeRecord]:
+def read_volumes(data: bytes, name: str,
+                 max_voxels: int = DEFAULT_MAX_VOXELS) -> list[VolumeRecord]:
     """The volumes in one input's bytes, by the input's file name ending.
 
     Args:
         data: the file's bytes.
         name: its name (``.nii``, ``.nii.gz``, ``.npy`` or ``.npz``).
+        max_voxels: the most voxels its header may claim, all volumes together (checked
+            before any voxel is decoded).
 
     Returns:
         One record per volume, each checked to be 3D and to hold finite numbers somewhere
         (NaN voxels are set to the smallest finite value).
 
     Raises:
-        ValueError: the file is truncated, lies about its shape, is 2D, all NaN, or not a
-            volume file; the message says which and what to do.
+        ValueError: the file is truncated, lies about its shape, is 2D, all NaN, claims more
+            than ``max_voxels``, or is not a volume file; the message says which and what to do.
     """
     if not data:
         raise ValueError("empty file (0 bytes)")
     lowered = name.lower()
     if lowered.endswith(".npz"):
-        records = _npz(data)
+        records = _npz(data, max_voxels)
     elif lowered.endswith(".npy"):
-        records = _npy(data)
+        records = _npy(data, max_voxels)
     else:
-        records = _nifti(data)
+        records = _nifti(data, max_voxels)
     for record in records:
         what = f"volume {record.part!r}" if record.part else "the volume"
         _check_3d(record.volume, what)
