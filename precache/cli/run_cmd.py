@@ -17,13 +17,15 @@ examples:
   precache run faces --input photos/ --output cache/ --set size=128 --set keep=all
   precache run images --input photos/ --output cache/
   precache run images -i photos/ -o cache/ --set size=224 --workers 4 --format hdf5
-  precache run path/to/my_pipeline.py -i list.txt -o cache/
+  precache run path/to/my_pipeline.py -i list.txt -o cache/   # imports and runs that file
   precache run faces -i photos/ -o cache/ --executor ray              # a local Ray, all cores
   precache run faces -i /shared/photos -o /shared/cache --executor ray --address HEAD_IP:6379
 
 Re-running the same command is cheap: unchanged inputs are not recomputed, an interrupted run
 resumes where it stopped, and changed ops or parameters rebuild the cache. Inputs that fail are
 recorded in the cache's errors table and the run goes on (exit 0); --fail-fast stops at the first.
+A pipeline .py file (or module:attr) is Python code: precache imports and runs it with your rights,
+in every worker too, as `python my_pipeline.py` would; run only pipeline files you trust.
 
 installed pipelines (parameters and defaults):
 {pipelines}
@@ -66,7 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("pipeline", help="installed pipeline name (e.g. images), module:attr, "
-                        "or path to a pipeline .py file")
+                        "or path to a pipeline .py file (imported and run with your rights: "
+                        "only files you trust)")
     parser.add_argument("-i", "--input", required=True,
                         help="folder of inputs (searched recursively), one file, or a .txt list; "
                         "a local path or a URL (s3://, gs://, file://)")
