@@ -57,9 +57,10 @@ class Landmarks(Task):
         train_idx = [i for i in range(len(self.full)) if i % 10]
         columns = AUGMENT_COLUMNS + ["key"] if s.log_keys else AUGMENT_COLUMNS
         in_loader = self.augment_on == "loader"
-        # JPEG crops (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU
+        # JPEG crops (stage 1's image_codec) travel encoded and nvJPEG decodes them on a GPU.
+        # The generation the first opened: train_idx are positions of its rows.
         self.train_set = CachedDataset(s.cache, columns=columns, decode_images=decode_in_loader(
-            run.device, self.decode_on, in_loader))
+            run.device, self.decode_on, in_loader), generation=self.full.generation)
         self.augment = FaceAugment(seed=s.seed * 100_003 + run.rank)  # a stream per rank
         self.val_loader = make_loader(Subset(self.full, range(0, len(self.full), 10)),
                                       s.batch_size, shuffle=False, num_workers=0)

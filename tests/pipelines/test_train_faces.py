@@ -50,3 +50,47 @@ def test_augmenting_in_worker_processes_repeats_exactly(face_cache: Path, tmp_pa
         assert config["transform_in_loader"] and config["worker_kind"] == "processes"
         losses.append([r["train_loss"] for r in read_metrics(out)])
     assert losses[0] == losses[1] and all(0 < loss < 1 for loss in losses[0])
+
+
+def test_the_training_rows_are_read_from_the_generation_their_positions_came_from(
+        face_cache: Path, tmp_path: Path, monkeypatch):
+    """A re-run publishing a new generation (one photo fewer) between the trainer's two opens
+    of the cache: both read the first one, so the training positions name the same samples."""
+    import shutil
+    from types import SimpleNamespace
+
+    import precache
+
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    shutil.copytree(face_cache.parent / "photos", photos)
+    shutil.copytree(face_cache, cache)
+    script = load_script(TRAIN, "faces_train")
+    opened = script.CachedDataset
+
+    def open_then_publish(*args, **kwargs):
+        dataset = opened(*args, **kwargs)
+        if not hasattr(open_then_publish, "done"):  # after the first open only
+            open_then_publish.done = True
+            (photos / precache.Cache(cache).read_all(["source_key"])["source_key"][0]).unlink()
+            precache.run("faces", photos, cache, params={"size": 32}, workers=1)
+        return dataset
+
+    monkeypatch.setattr(script, "CachedDataset", open_then_publish)
+    task = script.Landmarks()
+    run = SimpleNamespace(settings=SimpleNamespace(cache=str(cache), log_keys=True, seed=0,
+                                                   batch_size=4, workers=0, worker_kind="auto"),
+                          device="cpu", rank=0)
+    data = task.data(run)
+    try:
+        assert precache.Cache(cache).manifest.generation > task.full.generation
+        assert task.train_set.generation == task.full.generation
+        full_keys = opened(cache, columns=["key"], generation=task.full.generation)
+        expected = [full_keys[i]["key"] for i in range(len(full_keys)) if i % 10]
+        data.loader.set_epoch(0)
+        got = [k for batch in data.loader for k in batch["key"]]
+        assert sorted(got) == sorted(expected)
+        full_keys.close()
+    finally:
+        data.loader.close()
+        task.close()
+        task.val_loader.close()
