@@ -7,6 +7,7 @@ and ``s3://bucket/../other/cache``, which sent its requests to ``other`` while m
 from __future__ import annotations
 
 import json
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -67,6 +68,19 @@ def test_a_claim_of_more_rows_than_the_shard_holds_is_refused_before_allocating_
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         f"precache: error: {expected_refusal(str(claiming), shard)}"]
+
+
+def test_a_claim_for_a_missing_shard_is_refused_in_one_line(claiming: Path,
+                                                              tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(claiming, cache)
+    shard = json.loads((cache / "manifest.json").read_text())["shards"][0]["path"]
+    (cache / shard).unlink()
+    with pytest.raises(ShardMismatchError) as raised:
+        CachedDataset(cache, columns=["key"])
+    assert str(raised.value).startswith(
+        f"shard '{cache}/{shard}' of generation 1 is missing, though the manifest says it holds "
+        f"{CLAIM} rows; the cache was changed by hand or another tool: run `precache verify")
 
 
 def test_a_claim_on_s3_is_refused_from_the_downloaded_shard(
