@@ -36,8 +36,9 @@ FORMAT_VERSION = 1
 
 MAX_DEPTH = 64
 """The deepest nesting of objects and lists a manifest may have. precache writes a handful of
-levels (more only where a pipeline's parameters nest); Python's JSON parser and printer recurse, so a manifest of
-100,000 nested lists would end every command in a ``RecursionError``."""
+levels (more only where a pipeline's parameters nest); Python's JSON parser and printer
+recurse, so a manifest of 100,000 nested lists would end every command in a
+``RecursionError``."""
 
 
 class ManifestError(ValueError):
