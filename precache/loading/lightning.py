@@ -5,7 +5,9 @@ does not wrap it in a ``DistributedSampler``), calls its ``set_epoch``, and, bec
 ``CacheLoader`` has ``state_dict``/``load_state_dict``, saves the loader's position in every
 checkpoint and restores it on ``fit(ckpt_path=...)``: a Trainer resumes mid-epoch with only the
 samples not yet seen, also on a different number of devices. A ``CacheLoader`` has a length, so
-Lightning does not fetch ahead and the saved position is exactly what was trained on.
+Lightning does not fetch ahead and the saved position is exactly what was trained on; that length
+is the whole epoch's also after a restore (Lightning ends the resumed epoch by it, counting the
+restored steps).
 """
 
 from __future__ import annotations
