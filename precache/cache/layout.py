@@ -52,7 +52,8 @@ from precache.cache.manifest import TABLE_NAMES
 from precache.cache.schema import ColumnSpec
 from precache.errors import RunError
 from precache.storage import Store, is_remote, local_path, private_dir, work_dir_for
-from precache.storage.durable import atomic_write_bytes, fsync_dir, fsync_file
+from precache.storage.durable import (atomic_write_bytes, create_new, fsync_dir, fsync_file,
+                                     refused, same_file)
 from precache.storage.hashing import file_checksum
 
 __all__ = ["CacheLayout", "MARKER", "OWN_NAMES", "OWNED_FOLDERS"]
@@ -146,7 +147,13 @@ class CacheLayout:
         never replaces other bytes of the same name."""
         self.staging.mkdir(parents=True, exist_ok=True)  # a Ray actor on another machine
         tmp = self.staging / f"part-{seq:05d}{shard_format.suffix}.tmp-{os.getpid()}"
-        shard_format.write(tmp, columns, schema)
+        fd = create_new(tmp)  # never a link planted at this name: refused, written nowhere
+        try:
+            shard_format.write(tmp, columns, schema)  # by name: into the file just made
+            if not same_file(fd, tmp):
+                raise refused(tmp, "not the file precache created (replaced while written)")
+        finally:
+            os.close(fd)
         rows = len(next(iter(columns.values()))) if columns else 0
         checksum = file_checksum(tmp)
         name = self.shard_name(seq, shard_format.suffix, checksum)
@@ -223,6 +230,24 @@ class CacheLayout:
                 path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only if empty: a user's file keeps it
+
+    def check_planted_links(self) -> None:
+        """Refuse a run whose ``.staging/`` or ``journal/`` holds a symbolic link (or anything
+        but a plain file) at a name precache writes there (``.staging/index-GGGGG.parquet.tmp``,
+        ``part-N.parquet.tmp-PID``, a journal entry): it would write, or read an entry, where
+        the link points. Checked before anything is written; each write also refuses one
+        (``create_new``).
+
+        Raises:
+            LinkRefusedError: one line naming the file and the fix.
+        """
+        for folder in (self.staging, self.journal):
+            if folder.is_symlink() or not folder.is_dir():
+                continue  # check_owned_folders refuses a linked folder
+            for path in sorted(folder.iterdir()):
+                if self.is_own(folder.name, path.name) and not _regular_file(path):
+                    raise refused(path, "a symbolic link" if path.is_symlink()
+                                  else "not a plain file")
 
     def check_owned_folders(self) -> None:
         """Refuse a cache whose owned folders (``OWNED_FOLDERS``) are symbolic links or not

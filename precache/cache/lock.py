@@ -6,8 +6,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 
 from precache.cache.layout import CacheLayout
+from precache.storage.durable import open_own
 from precache.storage.lease import LeaseLost, WriterLease
 
 __all__ = ["CacheLock", "CacheBusyError"]
@@ -28,20 +30,61 @@ class CacheLock:
         self._fd: int | None = None
         self._lease: WriterLease | None = None
 
+    def _busy(self, fd: int) -> CacheBusyError:
+        """The error naming the run that holds the lock open as ``fd``. It writes its pid just
+        after taking the lock: wait for it a moment rather than say "unknown"."""
+        holder = ""
+        for _ in range(50):
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            if holder:
+                break
+            time.sleep(0.01)
+        return CacheBusyError(
+            f"cache '{self.layout.location}' is being written by another precache run "
+            f"(pid {holder or 'unknown'}); wait for it to finish or choose another --output")
+
+    def check_free(self) -> None:
+        """Raise ``CacheBusyError`` naming the holder if another run holds the lock; create
+        nothing (a folder that is not a cache gets no ``.lock`` from this). A run that took the
+        lock an instant ago may have written nothing else yet, or only a temporary file: the
+        lock, not the folder's files, tells that it is a cache being written.
+
+        Raises:
+            CacheBusyError: another run holds the lock.
+            LinkRefusedError: ``.lock`` is a symbolic link (or not a plain file).
+        """
+        try:
+            fd = open_own(self.layout.lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise self._busy(fd) from None
+            raise
+        finally:
+            os.close(fd)  # also lets go of the shared lock at once
+
     def acquire(self) -> None:
-        """Take the lock or raise ``CacheBusyError`` naming the holder."""
+        """Take the lock or raise ``CacheBusyError`` naming the holder. ``.lock`` is opened
+        without following a link, and must be a plain file with one name: the pid written
+        into it goes nowhere else.
+
+        Raises:
+            CacheBusyError: another run holds the lock.
+            LinkRefusedError: ``.lock`` is a symbolic link (or not a plain file).
+        """
         self.layout.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(self.layout.lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise CacheBusyError(
-                    f"cache '{self.layout.location}' is being written by another precache run "
-                    f"(pid {holder}); wait for it to finish or choose another --output"
-                ) from None
+                busy = self._busy(fd)
+                os.close(fd)
+                raise busy from None
+            os.close(fd)
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,7 +52,7 @@ from precache.cache.schema import schema_from_json, schema_to_json
 from precache.cache.tables import ERRORS_SCHEMA, INDEX_SCHEMA, read_table
 from precache.errors import RunError
 from precache.storage import ChecksumError
-from precache.storage.durable import fsync_dir
+from precache.storage.durable import create_new, fsync_dir
 from precache.storage.hashing import file_checksum
 from precache.storage.lease import LEASE_FILE
 
@@ -121,6 +122,7 @@ class WriteTransaction:
             layout.mark()  # before the first shard: from here on the folder is precache's
             for path in (layout.shards, layout.journal):
                 path.mkdir(parents=True, exist_ok=True)
+            layout.check_planted_links()  # before the journal and staging are written
             layout.forget_stale_journal(self.old.generation if self.old is not None else 0)
             layout.clear_local(layout.staging)
             layout.staging.mkdir(exist_ok=True)
@@ -171,6 +173,10 @@ class WriteTransaction:
         # a run that died between taking its lock and writing the marker left only the lock
         holds_files = any(name not in (".lock", LEASE_FILE) for name in names)
         if holds_files and not layout.is_cache():
+            if layout.url is None:
+                # a run that started an instant before this one: it holds the lock but has not
+                # written its marker yet (only its temporary file): name it, not "no cache"
+                self._lock.check_free()
             raise RunError(f"output '{layout.location}' is not empty and holds no precache cache "
                            f"(no manifest.json or {MARKER}); choose a new or empty directory")
 
@@ -409,7 +415,8 @@ class WriteTransaction:
         """Write a table under staging, then move it to ``name`` in the cache (rename or
         upload); returns its checksum."""
         tmp = self.layout.staging / f"{name}.tmp"
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+        with os.fdopen(create_new(tmp), "wb") as out:  # never through a planted link
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), out, compression="zstd")
         checksum = file_checksum(tmp)
         self.layout.publish_file(tmp, name)
         return checksum

@@ -22,7 +22,7 @@ HOLDER = """
 import sys
 from precache.cache.generations import ReaderLease
 from precache.storage import Store
-lease = ReaderLease(Store(sys.argv[1]), 1, ttl_s=1.0)
+lease = ReaderLease(Store(sys.argv[1]), 1, ttl_s=0.3)
 print(lease.name, flush=True)
 sys.stdin.readline()
 """
@@ -63,3 +63,81 @@ def test_gc_keeps_the_generation_of_a_stopped_reader_past_its_lease_and_not_of_a
     finally:
         holder.kill()
         holder.wait()
+
+
+# A run an instant into its write: it holds the lock and has written only the temporary file of
+# its marker (atomic_write_bytes' name), as the loser of two runs started at once finds it.
+EARLY_RUN = """
+import os, sys
+from pathlib import Path
+from precache.cache.layout import CacheLayout
+from precache.cache.lock import CacheLock
+CacheLock(CacheLayout(sys.argv[1])).acquire()
+Path(sys.argv[1], f"..precache.tmp-{os.getpid()}").write_bytes(b"")
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+# One of two runs started at the same moment, once per line "go FOLDER" from the test (sent to
+# both): enter the write transaction of the new folder, say who won, and leave at the word "done".
+RACER = """
+import sys
+from precache.cache.lock import CacheBusyError
+from precache.cache.transaction import WriteTransaction
+for line in sys.stdin:
+    folder = line.split(" ", 1)[1].strip()
+    try:
+        with WriteTransaction(folder, pipeline="counting", fingerprint="f", log=print):
+            print("won", flush=True)
+            sys.stdin.readline()
+    except CacheBusyError as e:
+        print(f"busy: {e}", flush=True)
+        sys.stdin.readline()
+"""
+
+
+def test_a_run_started_an_instant_after_another_names_the_holder_of_the_lock(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    write_photos(photos, 2)
+    early = subprocess.Popen([sys.executable, "-c", EARLY_RUN, str(cache)], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert early.stdout.readline().strip() == "locked"
+        capsys.readouterr()
+        code = main(["run", COUNTING_PIPELINE, "-i", str(photos), "-o", str(cache), "-j", "1",
+                     "-q"])
+        err = capsys.readouterr().err
+        assert code == 1 and err == (
+            f"precache: error: cache '{cache}' is being written by another precache run (pid "
+            f"{early.pid}); wait for it to finish or choose another --output\n"), err
+    finally:
+        early.kill()
+        early.wait()
+
+
+def test_of_two_runs_started_at_once_on_a_new_folder_the_loser_names_the_winner(
+        tmp_path: Path) -> None:
+    racers = [subprocess.Popen([sys.executable, "-c", RACER], cwd=REPO, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
+
+    def tell(word: str) -> None:
+        for racer in racers:
+            racer.stdin.write(f"{word}\n")
+            racer.stdin.flush()
+
+    try:
+        for trial in range(5):
+            cache = tmp_path / f"cache{trial}"
+            tell(f"go {cache}")
+            said = [racer.stdout.readline().strip() for racer in racers]
+            assert sorted(said)[1] == "won", said
+            winner = racers[said.index("won")]
+            assert sorted(said)[0] == (f"busy: cache '{cache}' is being written by another "
+                                       f"precache run (pid {winner.pid}); wait for it to finish "
+                                       "or choose another --output"), said
+            tell("done")
+    finally:
+        for racer in racers:
+            racer.kill()
+            racer.wait()
