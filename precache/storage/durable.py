@@ -129,9 +129,10 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
         LinkRefusedError: a link is planted at the temporary name (``.NAME.tmp-PID``).
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = create_new(tmp)  # a link planted at the temporary name is refused, left alone
+    # (a link planted at the temporary name is refused and left alone: not in the try below)
+    out = open(tmp, "wb", opener=lambda name, flags: create_new(name))
     try:
-        with os.fdopen(fd, "wb") as f:
+        with out as f:
             f.write(data)
             if fsync:
                 f.flush()
