@@ -18,6 +18,18 @@ import pytest
 from tests.helpers.files import REPO
 
 
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,
+                          *fragments: str) -> str:
+    """Exit ``code``, no traceback, and one ``precache: error:`` line holding ``fragments``."""
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("precache: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
 def precache_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
                  **kwargs: object) -> subprocess.CompletedProcess[str]:
     """Run the real ``precache`` command (``python -m precache``) in a subprocess."""

@@ -20,20 +20,10 @@ from pathlib import Path
 import pytest
 
 from precache import Cache
-from tests.helpers import COUNTING_PIPELINE, REPO, precache_cli, write_photos
+from tests.helpers import (COUNTING_PIPELINE, REPO, assert_one_line_error, precache_cli,
+                           write_photos)
 
 DRIVER = "tests.precache.cli.test_one_line_errors"  # run as a module: the disk-full driver
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,
-                          *fragments: str) -> str:
-    assert result.returncode == code, (result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("precache: error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

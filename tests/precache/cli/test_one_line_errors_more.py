@@ -24,8 +24,8 @@ from precache.cli import main
 from precache.errors import UsageError
 from precache.loading import CachedDataset
 from precache.processing.ops.text import TokenizerNotFoundError
-from tests.helpers import COUNTING_PIPELINE, build_counting, precache_cli, quiet, write_photos
-from tests.precache.cli.test_one_line_errors import assert_one_line_error
+from tests.helpers import (COUNTING_PIPELINE, assert_one_line_error, build_counting, precache_cli,
+                           quiet, write_photos)
 
 
 @pytest.fixture(scope="module")
