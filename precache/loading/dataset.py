@@ -371,8 +371,9 @@ class CachedDataset:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._finalizer = weakref.finalize(self, _let_go, self._cache, self._owner_pid,
-                                           self._readers, self._warmers)
+        # a copy (a worker's, or copy.copy's: it may share the readers and the lease with the
+        # original, whose own finalizer lets go of them) stops only the threads it starts
+        self._finalizer = weakref.finalize(self, _let_go, None, -1, None, self._warmers)
 
     def _guard(self) -> threading.RLock:
         """This process's lock over the readers and row tables (a forked or unpickled copy
@@ -778,7 +779,8 @@ class CachedDataset:
         the whole cache would hold all of them (``max_open_shards``)."""
         step = max(1, self.max_open_shards // 2)
         shards = len(self._first) - 1
-        parts = [self.read_batch(np.arange(self._first[s], self._first[min(s + step, shards)]))[name]
+        parts = [self.read_batch(np.arange(self._first[s],
+                                           self._first[min(s + step, shards)]))[name]
                  for s in range(0, shards, step)]
         if self._cache.manifest.schema[name].kind in ("ndarray", "scalar"):
             spec = self._cache.manifest.schema[name]
@@ -801,14 +803,16 @@ class CachedDataset:
         self._resident = None
 
 
-def _let_go(cache: Cache, owner_pid: int, readers: OpenShards, warmers: list[ShardWarmer]) -> None:
+def _let_go(cache: Cache | None, owner_pid: int, readers: OpenShards | None,
+            warmers: list[ShardWarmer]) -> None:
     """Release what a dataset holds in this process: its lease (only in the process that took
     it, ``owner_pid``; not a forked worker's copy), its warming threads, its open shards. For
     ``close()`` and the finalizer that runs when the dataset is dropped; a second call does
     nothing more."""
-    if owner_pid == os.getpid():
+    if cache is not None and owner_pid == os.getpid():
         cache.close()
     for warmer in warmers:
         warmer.close()  # (a forked worker's copy of its parent's does nothing)
     warmers.clear()
-    readers.close()
+    if readers is not None:
+        readers.close()

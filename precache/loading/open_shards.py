@@ -80,7 +80,7 @@ class _ProcessFiles:
         """How many descriptors the active readers may hold: half the soft limit, less those
         open now that are not theirs."""
         self._soft = soft_fd_limit()
-        ours = sum(len(shards._readers) * shards.fds_per_reader for shards in self._active)
+        ours = sum(len(shards) * shards.fds_per_reader for shards in self._active)
         self._allowed = max(0, self._soft // 2 - (open_files() - ours))
 
     def allowed(self) -> int:

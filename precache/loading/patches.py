@@ -71,6 +71,9 @@ class PatchDataset:
         seed: mixed into every process's random stream.
         generation: the generation to read (default: the current one).
 
+    Shards are opened as items need them, in the process that reads, and no more at once than
+    the process's open-file limit allows (``open_shards``): the least recently used are closed.
+
     Raises:
         ValueError: the column is not 3D, or the patch does not fit in it.
         KeyError: the cache has no such column.

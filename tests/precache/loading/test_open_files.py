@@ -7,7 +7,6 @@ a cache has thousands of shards)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
