@@ -65,22 +65,30 @@ def fds_per_reader(format_name: str, schema: dict[str, ColumnSpec]) -> int:
 class _ProcessFiles:
     """The descriptors the ``OpenShards`` of this process may hold together (see the module
     docstring). ``OpenShards`` with a reader open in this process are ``active``; each may keep
-    an equal share."""
+    an equal share.
+
+    The lock is re-entrant and the active ones are read from a snapshot: a dataset's finalizer
+    (its readers leave) may run in a garbage collection started inside ``_count``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._pid = -1
 
     def _here(self) -> None:
         if self._pid != os.getpid():  # (a forked child: its parent's readers are not its own)
             self._pid, self._soft, self._allowed = os.getpid(), -1, 0
-            self._active: weakref.WeakSet[OpenShards] = weakref.WeakSet()
+            self._active: dict[int, weakref.ref[OpenShards]] = {}
+
+    def _add(self, shards: OpenShards) -> None:
+        key = id(shards)  # dropped without close(): it leaves when collected
+        self._active[key] = weakref.ref(shards, lambda _, key=key: self._active.pop(key, None))
 
     def _count(self) -> None:
         """How many descriptors the active readers may hold: half the soft limit, less those
         open now that are not theirs."""
         self._soft = soft_fd_limit()
-        ours = sum(len(shards) * shards.fds_per_reader for shards in self._active)
+        active = [ref() for ref in list(self._active.values())]
+        ours = sum(len(shards) * shards.fds_per_reader for shards in active if shards is not None)
         self._allowed = max(0, self._soft // 2 - (open_files() - ours))
 
     def allowed(self) -> int:
@@ -94,19 +102,18 @@ class _ProcessFiles:
         """Readers ``shards`` may keep open (at least one), counting it active."""
         with self._lock:
             self._here()
-            if shards not in self._active:
-                self._active.add(shards)
+            if id(shards) not in self._active:
+                self._add(shards)
                 self._count()
             elif self._soft != soft_fd_limit():  # the limit was changed (setrlimit)
                 self._count()
-            return max(1, self._allowed // len(self._active) // shards.fds_per_reader)
+            return max(1, self._allowed // max(1, len(self._active)) // shards.fds_per_reader)
 
     def leave(self, shards: OpenShards) -> None:
         """``shards`` closed its readers: the others may keep more."""
         with self._lock:
             self._here()
-            if shards in self._active:
-                self._active.discard(shards)
+            if self._active.pop(id(shards), None) is not None:
                 self._count()
 
 
