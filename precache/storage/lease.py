@@ -118,19 +118,26 @@ def unverifiable(record: dict[str, Any]) -> str | None:
     return None
 
 
+def _local_pid(record: dict[str, Any]) -> int | None:
+    """The pid a lease ``record`` names, where it names a process of this host, boot and PID
+    namespace (``unverifiable`` is None) and a valid pid; else None."""
+    if unverifiable(record) is not None:
+        return None
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return pid if pid > 0 else None  # 0 or less is no process (os.kill would signal a group)
+
+
 def process_gone(record: dict[str, Any]) -> bool:
     """Whether the process a lease ``record`` names is known to be gone: it ran on this host,
     boot and PID namespace, and its pid is free, or names a process started at another time
     (the pid was reused). Where that cannot be known (``unverifiable``), ``False``: only the
     lease's expiry can tell then."""
-    if unverifiable(record) is not None:
+    pid = _local_pid(record)
+    if pid is None:
         return False
-    try:
-        pid = int(record["pid"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if pid <= 0:
-        return False  # not a process (os.kill would signal a group)
     if not pid_alive(pid):
         return True
     recorded = record.get("start_time")
@@ -156,14 +163,9 @@ def process_alive(record: dict[str, Any]) -> bool:
     the lease records. A reader stopped (SIGSTOP, a debugger) renews nothing, yet still holds
     what it opened: its lease must not lapse while it lives. Where that cannot be known
     (``unverifiable``, or no start time recorded), ``False``: only the lease's expiry tells."""
-    if unverifiable(record) is not None:
-        return False
-    try:
-        pid = int(record["pid"])
-    except (KeyError, TypeError, ValueError):
-        return False
+    pid = _local_pid(record)
     recorded = record.get("start_time")
-    if pid <= 0 or recorded is None or not pid_alive(pid) or _zombie(pid):
+    if pid is None or recorded is None or not pid_alive(pid) or _zombie(pid):
         return False
     return start_time(pid) == recorded
 

@@ -18,10 +18,10 @@ from tests.helpers.caches import (build_cache, build_counting, make_face_cache, 
                                   quiet)
 from tests.helpers.files import COUNTING_PIPELINE, REPO, load_script, read_calls, write_photos
 from tests.helpers.processes import (assert_one_line_error, free_port, free_ports, launch_ranks,
-                                     precache_cli, run_torchrun, wait_until)
+                                     memory_cap, precache_cli, run_torchrun, wait_until)
 from tests.helpers.sampling import assert_each_sample_once_per_epoch, keys_per_epoch, seen_keys
 
 __all__ = ["COUNTING_PIPELINE", "REPO", "assert_each_sample_once_per_epoch",
            "assert_one_line_error", "build_cache", "build_counting", "free_port", "free_ports", "keys_per_epoch", "launch_ranks",
-           "load_script", "make_face_cache", "make_volume_cache", "precache_cli", "quiet", "read_calls",
+           "load_script", "make_face_cache", "make_volume_cache", "memory_cap", "precache_cli", "quiet", "read_calls",
            "run_torchrun", "seen_keys", "wait_until", "write_photos"]

@@ -3,19 +3,36 @@ instead of sleeping; free ports."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
 from tests.helpers.files import REPO
+
+
+@contextlib.contextmanager
+def memory_cap(extra: int = 1024**3) -> Iterator[None]:
+    """This process may map at most ``extra`` bytes more inside the block: a runaway allocation
+    (a decompression bomb, a read of /dev/zero) raises MemoryError instead of filling the
+    machine's memory."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                      if line.startswith("VmSize:"))) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int,

@@ -7,14 +7,11 @@ machine's memory."""
 
 from __future__ import annotations
 
-import contextlib
 import io
-import resource
 import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Iterator
 
 import nibabel as nib
 import numpy as np
@@ -23,21 +20,7 @@ import pytest
 from precache import Cache
 from precache.processing.ops.volume import DecodeVolume
 from precache.processing.ops.volume_read import DEFAULT_MAX_VOXELS, read_volumes
-from tests.helpers import build_cache
-
-
-@contextlib.contextmanager
-def memory_cap() -> Iterator[None]:
-    """This process may map at most 1 GiB more while the test runs: decoding a bomb raises
-    MemoryError instead of filling the machine's memory."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    in_use = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                      if line.startswith("VmSize:"))) * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (in_use + 1024**3, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+from tests.helpers import build_cache, memory_cap
 
 
 def nifti_bomb(shape: tuple[int, ...]) -> bytes:

@@ -27,7 +27,7 @@ from precache.processing import sources
 from precache.storage import locations
 from precache.processing.sources import (InputError, InputTooLargeError, NotRegularFileError,
                                     list_inputs, read_bytes)
-from tests.helpers import build_cache, precache_cli, write_photos
+from tests.helpers import build_cache, memory_cap, precache_cli, write_photos
 
 ADDRESS_SPACE = 3 * 1024**3  # a run needs well under this; reading /dev/zero whole does not
 
@@ -51,18 +51,12 @@ def alarm() -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.fixture
-def memory_cap() -> Iterator[None]:
+@pytest.fixture(name="memory_cap")
+def capped_memory() -> Iterator[None]:
     """This process may map at most 1 GiB more while the test runs (a read of /dev/zero raises
     MemoryError instead of filling the machine's memory)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    in_use = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                      if line.startswith("VmSize:"))) * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (in_use + 1024**3, hard))
-    try:
+    with memory_cap():
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def big_jpeg() -> bytes:
