@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import Any, Iterator
 
+from precache.errors import RunError
 from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 from precache.threads import threads_pinned
 
@@ -54,7 +55,13 @@ def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int)
     while (task := tasks.get()) is not None:
         try:
             results.put(("ok", run_task(task)))
-        except Exception:  # noqa: BLE001 - e.g. disk full while committing the shard
+        except RunError as e:  # a refusal (a link planted where the shard is written): its line
+            results.put(("run_error", str(e)))
+            return
+        except OSError as e:  # a full disk, a read-only file system: the run says it in one line
+            results.put(("os_error", (e.errno, e.strerror, e.filename, str(e))))
+            return
+        except Exception:  # noqa: BLE001 - a bug: the parent stops the run with the traceback
             results.put(("error", f"task {task.seq} failed:\n{traceback.format_exc()}"))
             return
 
@@ -74,7 +81,14 @@ def _children_ignore_ctrl_c() -> Iterator[None]:
 
 
 def _result(message: tuple[str, Any]) -> TaskResult:
+    """A child's result, or its failure raised here as the same task run in this process would
+    have raised it (``RunError``, ``OSError``: one line), else as ``WorkerDied``."""
     kind, payload = message
+    if kind == "run_error":
+        raise RunError(payload)
+    if kind == "os_error":
+        errno, strerror, filename, text = payload
+        raise OSError(errno, strerror, filename) if errno is not None else OSError(text)
     if kind == "error":
         raise WorkerDied(payload)
     return payload
