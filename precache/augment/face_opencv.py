@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from precache.augment.face_draws import (FaceDraws, blur_kernel, colour_matrices,
-                                         geometry_matrices, hole_boxes)
+from precache.augment.face_draws import (FaceDraws, colour_matrices, geometry_matrices,
+                                         hole_boxes)
 from precache.faces import topology
 
 __all__ = ["apply_opencv", "region_picks", "move_points", "occlusion_noise"]

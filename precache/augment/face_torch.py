@@ -400,7 +400,6 @@ def _points_host(up: _Upload, batch: dict[str, Any], matrices: np.ndarray, flip:
     """The point move's host arrays: the matrices' columns (3, n, 1, 2) and, where a sample
     flips, the flags and re-indexings; returns the point keys of the batch."""
     keys = tuple(k for k in POINT_KEYS if batch.get(k) is not None)
-    n = len(matrices)
     if keys:
         up.add("points_m", matrices.transpose(2, 0, 1)[:, :, None, :])  # x, y, 1 -> (x', y')
     if flip.any() and (keys or batch.get("region_sizes") is not None):

@@ -310,6 +310,6 @@ def fit(task: Task, settings: Settings) -> None:
     # of their hooks) goes now, while the interpreter is whole: collected during its teardown
     # at exit instead, a gloo rank sometimes aborted ("terminate called without an active
     # exception") after its work was done.
-    del net, model, optimizer, schedule, scaler, save
+    net = model = optimizer = schedule = scaler = save = None  # (not del: save() names them)
     gc.collect()
     cleanup()

@@ -51,8 +51,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import precache  # noqa: E402
-from precache.processing.pipeline import load_pipeline
-from precache.processing import RunSummary
+from precache.processing.pipeline import load_pipeline  # noqa: E402
+from precache.processing import RunSummary  # noqa: E402
 from precache.augment import FaceAugment  # noqa: E402
 from precache.processing.sources import list_inputs  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402

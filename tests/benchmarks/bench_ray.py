@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the actors get this process's import path
 
 import precache  # noqa: E402
-from precache.processing import RunSummary
+from precache.processing import RunSummary  # noqa: E402
 from precache import Cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

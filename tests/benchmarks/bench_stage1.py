@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # spawn-started workers inherit sys.path, so they find it too
 
 import precache  # noqa: E402
-from precache.processing import RunSummary
+from precache.processing import RunSummary  # noqa: E402
 from precache.processing.sources import list_inputs  # noqa: E402
 from precache.pipelines.images.pipeline import pipeline  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402

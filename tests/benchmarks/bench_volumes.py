@@ -27,7 +27,6 @@ import glob
 import importlib.util
 import json
 import multiprocessing as mp
-import os
 import sys
 import tempfile
 import time

@@ -71,8 +71,8 @@ def test_remote_inputs_are_listed_and_read_like_local_ones(s3, bucket: str, tmp_
     local = list_inputs(photos, extensions)
     assert [(i.key, i.size) for i in remote] == [(i.key, i.size) for i in local]
     assert [i.locator for i in remote][:1] == [f"s3://{bucket}/photos/img0000.png"]
-    assert all(read_remote_bytes(r.locator) == Path(l.locator).read_bytes()
-               for r, l in zip(remote, local))
+    assert all(read_remote_bytes(r.locator) == Path(here.locator).read_bytes()
+               for r, here in zip(remote, local))
     with open_input_file(remote[1].locator) as f:  # random access, as record files need
         assert f.read_at(5, 2) == Path(local[1].locator).read_bytes()[2:7]
 
