@@ -12,7 +12,7 @@ bf16|fp16|fp32|auto`` maps to Lightning's ``bf16-mixed|16-mixed|32``. ``--strate
 FSDP2 through ``ModelParallelStrategy`` (Lightning's ``FSDPStrategy`` refuses the CPU); FSDP2
 shards contiguous weights only, so the weights stay NCHW there. ``fp16`` and
 ``deepspeed_stage_2`` need CUDA: on CPU the script says so in one line. Each epoch appends the
-record of every precache trainer (``precache.training.records``) to ``<out>/metrics.jsonl``;
+record of every precache trainer (``precache.training.metrics_log``) to ``<out>/metrics.jsonl``;
 ``--resume`` continues from a Lightning checkpoint, mid-epoch included. ``FaceAugment`` augments
 each training batch after it reaches its device (``on_after_batch_transfer``): per uint8 crop
 with OpenCV on a CPU, over the whole batch on a GPU.
@@ -31,7 +31,7 @@ from torch import nn
 from precache.augment import FaceAugment
 from precache.loading.lightning import CacheDataModule
 from precache.training.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
-from precache.training.records import MetricLog
+from precache.training.metrics_log import MetricLog
 from precache.training.settings import training_parser
 from precache.training.step import auto_precision, open_keys_log
 

@@ -11,7 +11,7 @@ from precache.loading.loader import CacheLoader, loader_workers, make_loader
 from precache.loading.packing import PackedBlocks
 from precache.loading.patches import PatchDataset
 from precache.loading.sampler import DistributedShardSampler
-from precache.loading.text import TokenCollate
+from precache.loading.text_collate import TokenCollate
 from precache.loading.threaded import ThreadedBatches
 
 __all__ = ["CachedDataset", "DistributedShardSampler", "make_loader", "CacheLoader",

@@ -40,7 +40,7 @@ from precache.cache import Cache
 from precache.cache.schema import ColumnSpec
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.dataset import CachedDataset
-from precache.loading.text import TokenCollate
+from precache.loading.text_collate import TokenCollate
 
 try:
     from transformers import Trainer

@@ -3,7 +3,7 @@
 - ``loop``: ``fit(task, settings)``; a ``Task`` supplies the data, the model, the loss step, a
   validation hook and checkpoint extras.
 - ``settings``: ``Settings`` (what a run needs) and ``training_parser`` (the common flags).
-- ``records``: the metrics log, one epoch record schema (``EPOCH_FIELDS``).
+- ``metrics_log``: the metrics log, one epoch record schema (``EPOCH_FIELDS``).
 - ``distributed``: the process group from torchrun's or Slurm's environment, and the device.
 - ``strategy``: ``--strategy ddp|zero|fsdp``: wrapping, optimizer, checkpoints.
 - ``step``: mixed precision, ``OneCycleSchedule``, the optimizer step (accumulation, clipping,

@@ -12,7 +12,7 @@ does the rest, the same way for every trainer:
 - the OneCycle schedule as a function of progress, samples trained on / ``epochs`` x training
   samples (``step.OneCycleSchedule``), each step's rate in ``<out>/lr.tsv``;
 - the step timeline (``timeline``: the data wait of every batch, the phases of a sample) and one
-  epoch record schema in ``<out>/metrics.jsonl`` (``records``);
+  epoch record schema in ``<out>/metrics.jsonl`` (``metrics_log``);
 - ``<out>/last.pt`` every ``save_every`` optimizer steps and at every epoch's end: model,
   optimizer, scaler, schedule, and the loader's position in samples, so that ``resume``
   continues mid-epoch on any number of ranks and under any strategy; loaded weights-only
@@ -36,7 +36,7 @@ from torch import nn
 from precache.loading.device import DevicePrefetcher
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
-from precache.training.records import MetricLog
+from precache.training.metrics_log import MetricLog
 from precache.training.settings import Settings
 from precache.training.step import (OneCycleSchedule, auto_precision, cpu_has_native_bf16,
                                     log_lr, mixed_precision, open_keys_log, open_lr_log,

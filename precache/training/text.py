@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Subset
 from precache.loading import CachedDataset, ThreadedBatches, loader_workers
 from precache.loading.buckets import LengthBucketSampler
 from precache.loading.loader import check_worker_kind
-from precache.loading.text import TokenCollate
+from precache.loading.text_collate import TokenCollate
 from precache.training.loop import Run, Step, Task, TrainData
 
 __all__ = ["BucketLoader", "TextClassification", "TextModel"]

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 import precache
 from precache.loading import CachedDataset
 from precache.loading.buckets import LengthBucketSampler
-from precache.loading.text import TokenCollate
+from precache.loading.text_collate import TokenCollate
 from precache.processing.ops.text import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from precache.training.records import EPOCH_FIELDS
+from precache.training.metrics_log import EPOCH_FIELDS
 from tests.helpers import REPO, assert_each_sample_once_per_epoch, keys_per_epoch, load_script
 from tests.helpers.training import clean_env, read_metrics, training_keys
 

@@ -33,7 +33,7 @@ def rank_main(cache: str, out: str, stop_after: int, state_path: str) -> None:
 
     from precache.loading import CachedDataset
     from precache.loading.buckets import LengthBucketSampler
-    from precache.loading.text import TokenCollate
+    from precache.loading.text_collate import TokenCollate
 
     dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the parent
     rank = dist.get_rank()

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from precache.training.checkpoint import load_checkpoint, save_checkpoint
 from precache.training.loop import fit
-from precache.training.records import EPOCH_FIELDS
+from precache.training.metrics_log import EPOCH_FIELDS
 from precache.training.settings import Settings
 from precache.training.step import cpu_has_native_bf16, one_cycle
 from tests.helpers import assert_each_sample_once_per_epoch, keys_per_epoch, run_torchrun

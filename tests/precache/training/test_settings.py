@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from precache.training.records import EPOCH_FIELDS, epoch_record
+from precache.training.metrics_log import EPOCH_FIELDS, epoch_record
 from precache.training.settings import Settings, training_parser
 
 
