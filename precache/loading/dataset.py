@@ -13,7 +13,9 @@ this process's memory, and the first batch needs no decoding pass. With a read-a
 ``ahead`` indices ``make_loader`` attaches to each batch) the worker asks the kernel to start
 reading the rows of its next batch (``madvise(MADV_WILLNEED)``) before gathering this one, so
 a cold or larger-than-RAM cache reads with many disk requests in flight instead of one page
-fault at a time.
+fault at a time. Warm, a batch of only fixed-shape columns is one gather a column through this
+process's ``FixedRows`` (each open shard's view address; nothing done a shard), however many
+shards it touches: with 256-row shards a shuffled batch touches one every few rows.
 
 **Variable-length columns** (ragged token ids, JPEG/WebP bytes, strings) that stage 1 wrote in
 place (``precache.cache.formats.variable``) are read the same way: each row is a slice of the
@@ -58,7 +60,7 @@ from precache.cache.image_codec import encoded_columns
 from precache.loading.image_decode import decode_into_batch
 from precache.loading.open_shards import OpenShards, fds_per_reader, shard_budget, soft_fd_limit
 from precache.loading.pinned import open_pinned
-from precache.loading.row_table import RowTable
+from precache.loading.row_table import FixedRows, RowTable
 from precache.loading.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
@@ -287,6 +289,8 @@ class CachedDataset:
         # and the tables it fills are guarded; decoding images runs outside the lock
         self._lock, self._lock_pid = threading.RLock(), os.getpid()
         self._resident: dict[str, np.ndarray] | None = None
+        # every requested column fixed-shape (and mapped, as _read_fixed finds): read by FixedRows
+        self._fixed_only = all(schema[n].kind in ("ndarray", "scalar") for n in self.columns)
         self.resident = self._fits_in_memory() if resident is None else bool(resident)
         if self.resident and any(schema[c].kind in ("bytes", "ragged") for c in self.columns):
             raise ValueError(f"{self.path}: bytes and ragged columns cannot be held resident; "
@@ -573,6 +577,8 @@ class CachedDataset:
         mapped even if another thread closes a reader meanwhile).
         """
         fast = self._read_complete(indices, empty)
+        if fast is None and empty is np.empty:
+            fast = self._read_fixed(indices)
         if fast is not None:
             return fast
         copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]] = []
@@ -631,6 +637,54 @@ class CachedDataset:
         for name in self._encoded:
             out[name] = self._images(name, out[name], index, empty)
         return out
+
+    def _read_fixed(self, indices: Sequence[int]) -> dict[str, Any] | None:
+        """A warm batch whose requested columns are all fixed-shape and mapped: one gather a
+        column through this process's ``FixedRows``, whatever shards it touches, instead of
+        ``_gather``'s one copy a shard. ``None`` otherwise: then ``_gather`` reads it (and opens
+        its shards, which the next batch adds to the table). Not with an ``empty`` of the
+        caller's (``read_batch`` checks: pinned memory): NumPy's gather makes its own array,
+        and a copy into the caller's would cost what it saves."""
+        if (self._faulting or self.resident or self.release_mapped_bytes is not None
+                or not self._fixed_only):
+            return None
+        index = _index_array(indices)
+        with self._guard():
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            if self._consumer_faulted(faults):
+                self._faulting = True
+                return None
+            schema = self._cache.manifest.schema
+            table = self._readers.row_table(("fixed", *self.columns), lambda: FixedRows(
+                self.columns, [(np.dtype(schema[n].dtype), schema[n].shape) for n in self.columns],
+                self._first, self._shard, self._row))
+            if not table.usable:
+                self._fixed_only = False  # (a shard's column is not mapped: an older cache)
+                return None
+            try:
+                plan = table.plan(index)
+                if plan is None and self._fill_fixed(table, self._shard[index]):
+                    plan = table.plan(index)
+            except IndexError:
+                raise IndexError(f"index out of range for a cache of {len(self)} rows") from None
+            if plan is None:
+                return None
+            self._faults_at_return = faults
+        return table.gather(plan)  # outside the lock: in parallel in thread workers
+
+    def _fill_fixed(self, table: FixedRows, shard_ids: np.ndarray) -> bool:
+        """``_fill`` for a ``FixedRows``: open the shards of ``shard_ids`` it lacks and add them;
+        whether all of them are then ready (not past the open-file budget: then the per-shard
+        path reads the batch)."""
+        wanted = np.unique(shard_ids)
+        ready = table.ready[wanted]
+        if len(wanted) > self._readers.limit():
+            return False
+        self._readers.keep(wanted[ready].tolist())
+        for shard in wanted[~ready].tolist():
+            if not table.add(shard, self._readers.get(shard).mapped()):
+                return False
+        return bool(table.ready[wanted].all())
 
     def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
         """Whether the batch read pages from disk (then read ahead and warm shards), and the
