@@ -6,7 +6,7 @@ applied. It reads only the cache (no detector, no mesh), so every step is cheap 
     sbatch pipelines/slurm/faces_4nodes_x1gpu.sbatch     # Slurm: torchrun per node, or srun python
 
 Task: regress ``landmarks5`` (crop pixels / size, so 0..1) from the augmented crop with
-``precache.training.landmarks.LandmarkNet`` (smooth L1); every 10th crop is held out (``val_l1``).
+``precache.pipelines.faces.landmarks.LandmarkNet`` (smooth L1); every 10th crop is held out (``val_l1``).
 ``FaceAugment`` augments each batch where it lives after the loader (per uint8 crop with OpenCV on
 a CPU, over the whole batch on a GPU), so the loader ships the cached columns whole; on a GPU,
 JPEG crops travel as their bytes and are decoded there (nvJPEG). ``--decode-on loader`` has the
@@ -26,9 +26,9 @@ from torch.utils.data import Subset
 
 from precache.augment import FaceAugment
 from precache.loading import CachedDataset, DevicePrefetcher, decode_images, make_loader
-from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP, DECODE_ON,
-                                         DECODE_ON_HELP, LandmarkNet, batch_to_inputs,
-                                         decode_in_loader)
+from precache.pipelines.faces.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP,
+                                                DECODE_ON, DECODE_ON_HELP, LandmarkNet,
+                                                batch_to_inputs, decode_in_loader)
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 

@@ -9,7 +9,7 @@
 It reads only the cache. Each training item is a VIDEO (every video on exactly one rank once per
 epoch): ``--mode frames`` scores ``--frames-per-video`` random face frames of it, ``--mode clips``
 averages the frame features of ``--clip-frames`` consecutive frames of one track (FaceAugment
-augments each batch after the loader, one draw per clip). Validation is per video (``precache.training.video_eval``): every cached
+augments each batch after the loader, one draw per clip). Validation is per video (``precache.pipelines.faces.video_eval``): every cached
 frame of a held-out video is scored, the scores averaged (``mean``) or averaged over the most
 confident half (``confident``), then log-loss and ROC AUC over videos; a held-out video without
 faces scores 0.5. The split keeps a fake with its ``original``, is stratified by label, and is
@@ -31,12 +31,12 @@ from precache.augment import FaceAugment
 from precache.cache import Cache
 from precache.loading import (CachedDataset, ClipDataset, VideoFrameDataset, as_nchw,
                               collate_clips, decode_images, make_loader)
-from precache.processing.ops.labels import Labels
-from precache.training.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP, DECODE_ON,
-                                         DECODE_ON_HELP, decode_in_loader)
+from precache.pipelines.faces.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUGMENT_ON_HELP,
+                                                DECODE_ON, DECODE_ON_HELP, decode_in_loader)
+from precache.pipelines.faces.video_eval import aggregate, held_out, log_loss, roc_auc
+from precache.processing.ops import Labels
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
-from precache.training.video_eval import aggregate, held_out, log_loss, roc_auc
 
 
 def frame_augment(seed: int) -> FaceAugment:

@@ -1,4 +1,4 @@
-"""The faces landmark model (``precache.training.landmarks``) as a LightningModule over precache's
+"""The faces landmark model (``precache.pipelines.faces.landmarks``) as a LightningModule over precache's
 ``CacheDataModule``, with the strategy and precision switches of the face thesis's recipe
 (which ended with DeepSpeed ZeRO stage 2 and fp16 through Lightning):
 
@@ -30,7 +30,7 @@ from torch import nn
 
 from precache.augment import FaceAugment
 from precache.loading.lightning import CacheDataModule
-from precache.training.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
+from precache.pipelines.faces.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
 from precache.training.metrics_log import MetricLog
 from precache.training.settings import training_parser
 from precache.training.step import auto_precision, open_keys_log

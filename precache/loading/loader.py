@@ -21,13 +21,20 @@ What it sets, and why:
 
 ``CacheLoader`` counts the samples it has handed out, which is what its ``state_dict()`` records:
 the DataLoader's own position runs ahead of the training loop by the prefetched batches.
+
+``make_loader(dataset, batch_sampler=...)`` takes the batches from a resumable batch sampler
+instead (e.g. ``LengthBucketSampler``: documents of similar length together), read by the same
+threads or processes, with the same contract: the batch sampler's state and epochs, counted in
+samples as ``DistributedShardSampler``'s are (``BatchSamplerPosition``).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -36,10 +43,12 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from precache.loading.dataset import CachedDataset, collate_samples
 from precache.loading.sampler import DistributedShardSampler
+from precache.loading.text_collate import TokenCollate
 from precache.loading.threaded import ThreadedBatches
 from precache.threads import guard_opencv_forks, pin_threads
 
-__all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches"]
+__all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches",
+           "BatchSamplerPosition", "RESUMABLE_BATCH_SAMPLER"]
 
 guard_opencv_forks()  # worker processes are forked after loader threads may have used OpenCV
 
@@ -111,6 +120,105 @@ class ReadAheadBatches(Sampler[list[int]]):
             yield batch
 
 
+RESUMABLE_BATCH_SAMPLER = ("batch_size", "epoch", "set_epoch", "epoch_batches", "state_dict",
+                           "load_state_dict", "__iter__", "__len__")
+"""What ``make_loader(batch_sampler=...)`` needs of a batch sampler (``LengthBucketSampler`` has
+it all): ``batch_size`` (samples per batch on this rank); ``epoch`` and ``set_epoch(epoch)``
+(which starts that epoch at its beginning, except right after ``load_state_dict`` of it, which it
+keeps); ``epoch_batches()`` (this rank's batches in a whole epoch); ``len()`` (the batches left
+in the current pass); ``state_dict(batches)`` (the position after this rank took ``batches``
+batches of the pass) and ``load_state_dict(state)``."""
+
+
+class BatchSamplerPosition:
+    """A resumable batch sampler as ``CacheLoader`` counts it: the interface of
+    ``DistributedShardSampler`` (positions in samples, ``begin_pass``, ``position_id``), so that
+    the loader's contract holds for it unchanged: ``len()`` a whole epoch, every pass the next
+    epoch unless ``set_epoch`` or ``load_state_dict`` chose one, a state between any two batches.
+
+    Args:
+        batch_sampler: has ``RESUMABLE_BATCH_SAMPLER``'s attributes.
+    """
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.batch_size = int(batch_sampler.batch_size)
+        self._chosen = False  # set_epoch chose the next pass's epoch
+        self._loaded = False  # load_state_dict set the next pass's position
+        self._passes = 0  # passes begun (begin_pass)
+        self.position_id = 0
+        """Changes whenever the epoch or its start are set anew (``DistributedShardSampler``'s)."""
+
+    @property
+    def epoch(self) -> int:
+        return int(self.batch_sampler.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its beginning, unless ``load_state_dict`` just set this epoch."""
+        self.batch_sampler.set_epoch(epoch)
+        self._chosen, self._loaded = True, False
+        self.position_id += 1
+
+    def begin_pass(self) -> None:
+        """A loader starts a pass: the epoch ``set_epoch`` chose; else the rest of a loaded
+        epoch (the next epoch if nothing is left of it); else, after an earlier pass, the next
+        epoch; else (the first pass) the current one."""
+        sampler = self.batch_sampler
+        if not self._chosen and (self._loaded or self._passes):
+            finished = not self._loaded or len(sampler) == 0
+            # set_epoch of the loaded epoch keeps its rest, and makes a later one start over
+            sampler.set_epoch(sampler.epoch + 1 if finished else sampler.epoch)
+            if finished:
+                self.position_id += 1
+        self._chosen = self._loaded = False
+        self._passes += 1
+
+    def epoch_length(self) -> int:
+        """Samples of a whole epoch on this rank (batches x ``batch_size``)."""
+        return int(self.batch_sampler.epoch_batches()) * self.batch_size
+
+    def __len__(self) -> int:
+        """Samples left in this pass (batches x ``batch_size``)."""
+        return len(self.batch_sampler) * self.batch_size
+
+    def state_dict(self, consumed: int) -> dict[str, Any]:
+        """The batch sampler's state after this rank trained on ``consumed`` samples of the
+        pass (a batch counts ``batch_size``; a smaller last one counts whole)."""
+        if not 0 <= consumed <= len(self):
+            raise ValueError(f"consumed must be in [0, {len(self)}], not {consumed}")
+        return dict(self.batch_sampler.state_dict(-(-consumed // self.batch_size)))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state)
+        self._chosen, self._loaded = False, True
+        self.position_id += 1
+
+
+class _SampledBatches(Sampler[list[int]]):
+    """A batch sampler's batches as ``IndexBatch``es in the order it made them (not storage
+    order: it may have ordered them), each with the indices of the batch ``ahead_by`` later
+    attached where ``ahead_by`` > 0 (``ReadAheadBatches``'s read-ahead)."""
+
+    def __init__(self, batch_sampler: Any, ahead_by: int) -> None:
+        self.batch_sampler, self.ahead_by = batch_sampler, ahead_by
+        self.batch_size = batch_sampler.batch_size
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        source = iter(self.batch_sampler)
+        window = deque(islice(source, self.ahead_by + 1))  # this batch and the next ahead_by
+        while window:
+            batch = IndexBatch(int(i) for i in window.popleft())
+            batch.array = np.asarray(batch, dtype=np.int64)
+            batch.storage_order = False
+            if self.ahead_by and len(window) == self.ahead_by:
+                batch.ahead = [int(i) for i in window[-1]]
+            yield batch
+            window.extend(islice(source, 1))
+
+
 class CacheLoader:
     """A DataLoader plus its sampler, counting what the training loop has received.
 
@@ -130,7 +238,8 @@ class CacheLoader:
       next epoch.
     """
 
-    def __init__(self, loader: DataLoader | ThreadedBatches, sampler: DistributedShardSampler,
+    def __init__(self, loader: DataLoader | ThreadedBatches,
+                 sampler: DistributedShardSampler | BatchSamplerPosition,
                  batch_size: int | None = None,
                  worker_kind: tuple[str, int, str] = ("processes", 0, "")) -> None:
         self.loader = loader
@@ -261,7 +370,7 @@ def check_worker_kind(worker_kind: str) -> None:
 
 def make_loader(
     dataset: Any,
-    batch_size: int,
+    batch_size: int | None = None,
     shuffle: bool = True,
     num_workers: int | None = None,
     *,
@@ -278,12 +387,13 @@ def make_loader(
     world_size: int | None = None,
     worker_kind: str = "auto",
     batch_transform: Callable[[Any], Any] | None = None,
+    batch_sampler: Any = None,
 ) -> CacheLoader:
     """A ``CacheLoader`` over ``dataset`` (usually a ``CachedDataset``).
 
     Args:
         dataset: a map-style dataset; with ``__getitems__`` a batch is one read per shard.
-        batch_size: samples per batch on each rank.
+        batch_size: samples per batch on each rank (required unless ``batch_sampler`` is given).
         shuffle: shuffle by ``seed`` and epoch (the same order on every rank).
         num_workers: DataLoader workers; default ``loader_workers()``.
         seed: seed of the epoch order and of the workers' random streams.
@@ -306,24 +416,47 @@ def make_loader(
             (``ThreadedBatches``: no copy through shared memory, the batch is handed over as
             is), ``"processes"`` (DataLoader worker processes), or ``"auto"``: threads when
             the dataset is a ``CachedDataset`` (or a ``Subset`` of one) without a per-sample
-            ``transform`` and no ``collate_fn`` is given (the cache's gather, image decoding
-            and batched augmentation release the GIL), else processes (per-sample Python
-            work holds the GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
+            ``transform`` and no ``collate_fn`` other than a ``TokenCollate`` is given (the
+            cache's gather, image decoding, batched augmentation and the padding of a batch of
+            token ids release the GIL), else processes (per-sample Python work holds the GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
         batch_transform: applied to each collated batch by the worker that read it (a thread
             or a process), e.g. a batched ``FaceAugment``; with threads it is called from
             several threads at once.
+        batch_sampler: the batches' indices come from it instead (e.g. a
+            ``LengthBucketSampler``), read by the same threads or processes (with read-ahead,
+            in the order it gives). It must be resumable (``RESUMABLE_BATCH_SAMPLER``); the
+            loader's ``len()``, epochs and state are its own, counted in samples
+            (``BatchSamplerPosition``). Its batch size, shuffle and ranks are its own:
+            ``batch_size``, ``shuffle=False``, ``drop_last``, ``shard_window``, ``rank`` and
+            ``world_size`` are refused beside it.
 
     Raises:
-        ValueError: a bad ``batch_size``, ``num_workers`` or ``worker_kind``.
+        ValueError: a bad ``batch_size``, ``num_workers`` or ``worker_kind``; a
+            ``batch_sampler`` that is not resumable, or given with what it decides.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     workers = loader_workers() if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
     check_worker_kind(worker_kind)
-    sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                      shard_window=shard_window, rank=rank, world_size=world_size)
+    sampler: DistributedShardSampler | BatchSamplerPosition
+    if batch_sampler is None:
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed,
+                                          drop_last=drop_last, shard_window=shard_window,
+                                          rank=rank, world_size=world_size)
+        batches: Any = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
+                        BatchSampler(sampler, batch_size, drop_last=False))
+        worker_rank = sampler.rank
+    else:
+        given = {"batch_size": batch_size is not None, "shuffle=False": not shuffle,
+                 "drop_last": drop_last, "shard_window": shard_window is not None,
+                 "rank": rank is not None, "world_size": world_size is not None}
+        _check_batch_sampler(batch_sampler, [name for name, set_ in given.items() if set_])
+        sampler = BatchSamplerPosition(batch_sampler)
+        batch_size = sampler.batch_size
+        batches = _SampledBatches(batch_sampler, workers if read_ahead else 0)
+        worker_rank = int(getattr(batch_sampler, "rank", 0))  # workers' seeds differ by rank
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if pin and not torch.cuda.is_available():  # tensor.pin_memory() raises without CUDA
         warnings.warn("make_loader: pin_memory=True, but CUDA is not available: batches are "
@@ -331,14 +464,12 @@ def make_loader(
                       stacklevel=2)
         pin = False
     kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
-    batches: Any = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
-                    BatchSampler(sampler, batch_size, drop_last=False))
     if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
         threaded = ThreadedBatches(dataset, batches, collate_fn or collate_samples, workers,
                                    prefetch_factor or 2, pin, batch_transform)
         return CacheLoader(threaded, sampler, batch_size, worker_kind=(kind, workers, reason))
     generator = torch.Generator()  # worker processes: their seeds
-    generator.manual_seed(seed * 1_000_003 + sampler.rank)
+    generator.manual_seed(seed * 1_000_003 + worker_rank)
     loader = DataLoader(
         dataset,
         batch_sampler=batches,
@@ -352,6 +483,21 @@ def make_loader(
         multiprocessing_context=multiprocessing_context,
     )  # no drop_last: the sampler already gives every rank the same count
     return CacheLoader(loader, sampler, batch_size, worker_kind=(kind, workers, reason))
+
+
+def _check_batch_sampler(batch_sampler: Any, also_given: list[str]) -> None:
+    """Refuse, in one line, a batch sampler ``CacheLoader`` cannot resume, or one given with
+    ``make_loader`` arguments that it decides itself."""
+    name = type(batch_sampler).__name__
+    missing = [a for a in RESUMABLE_BATCH_SAMPLER if not hasattr(batch_sampler, a)]
+    if missing:
+        raise ValueError(f"make_loader: batch_sampler {name} has no {', '.join(missing)}: the "
+                         "loader counts, resumes and advances epochs through "
+                         f"{', '.join(RESUMABLE_BATCH_SAMPLER)} (LengthBucketSampler has them); "
+                         "or leave batch_sampler out and pass batch_size")
+    if also_given:
+        raise ValueError(f"make_loader: {', '.join(also_given)} given beside batch_sampler "
+                         f"{name}, which decides them itself: pass them to the batch sampler")
 
 
 def _then(collate: Callable[[Any], Any],
@@ -383,10 +529,10 @@ def _worker_kind(dataset: Any, workers: int, asked: str,
                              "work per sample could hold the GIL")
     if base.transform is not None:
         return "processes", "the dataset has a per-sample transform, which holds the GIL"
-    if collate_fn is not None:
+    if collate_fn is not None and not isinstance(collate_fn, TokenCollate):
         return "processes", "a collate_fn was given, which may do Python work per sample"
-    return "threads", ("the cache's own columns: gather, decode and batched augmentation "
-                       "release the GIL")
+    return "threads", ("the cache's own columns: gather, decode, batched augmentation and "
+                       "TokenCollate's padding release the GIL")
 
 
 def _beneath_subsets(dataset: Any, found: Callable[[Any], bool]) -> Any:

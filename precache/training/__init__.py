@@ -10,8 +10,8 @@
   ``set_to_none``), and the per-step logs.
 - ``timeline``: where step time goes; ``doctor`` reads it.
 - ``checkpoint``: atomic saves and weights-only loads.
-- Tasks' shared parts: ``text`` (text classification from a token cache), ``landmarks`` (the
-  faces landmark model), ``video_eval`` (per-video scores of a face-video classifier).
+
+The tasks themselves (models, metrics, their flags) are recipes: ``precache.pipelines``.
 """
 
 from precache.training.step import (PRECISIONS, OneCycleSchedule, log_lr, mixed_precision,

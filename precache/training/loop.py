@@ -48,9 +48,9 @@ __all__ = ["Loader", "Run", "Step", "Task", "TrainData", "fit"]
 
 
 class Loader(Protocol):
-    """What ``fit`` asks of a training loader (``CacheLoader`` has it all; so does
-    ``precache.training.text.BucketLoader``). ``consumed`` counts samples this rank trained on in
-    the epoch since it started or was resumed."""
+    """What ``fit`` asks of a training loader (``CacheLoader`` has it all, over a
+    ``DistributedShardSampler`` or a batch sampler). ``consumed`` counts samples this rank
+    trained on in the epoch since it started or was resumed."""
 
     num_workers: int  # loader threads or processes (the run record, the CPU threads left)
     worker_kind: str  # "threads", "processes" or "none"

@@ -47,7 +47,7 @@ def test_every_rank_validates_in_as_many_forward_passes_and_scores_each_document
 
     from precache.training.loop import Run
     from precache.training.settings import Settings, training_parser
-    from precache.training.text import TextClassification, TextModel
+    from precache.pipelines.text.task import TextClassification, TextModel
 
     settings = Settings.from_args(training_parser("", out="unused", lr=1e-3).parse_args(
         ["--cache", str(text_cache), "--batch-size", "1", "--workers", "0"]))

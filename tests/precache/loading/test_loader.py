@@ -152,3 +152,73 @@ def test_set_epoch_chooses_the_next_pass_and_a_finished_saved_epoch_resumes_at_t
     next(iter(moved))
     moved.sampler.set_epoch(3)  # as Lightning does, past the loader: its count is stale
     assert (moved.state_dict()["epoch"], moved.state_dict()["offset"]) == (3, 0)
+
+
+# ---- make_loader(batch_sampler=...): the same contract over a resumable batch sampler ----------
+
+def bucketed(dataset, workers: int, kind: str):
+    """A loader over a ``LengthBucketSampler`` of 30 samples in 6 batches of 5 (no repeats)."""
+    from precache.loading import LengthBucketSampler
+
+    lengths = [(7 * i) % 11 + 1 for i in range(len(dataset))]
+    return make_loader(dataset, batch_sampler=LengthBucketSampler(lengths, 5, seed=5),
+                       num_workers=workers, worker_kind=kind)
+
+
+@pytest.mark.parametrize("stop,workers,kind", [(1, 0, "auto"), (5, 0, "auto"),
+                                               (3, 2, "threads"), (3, 1, "processes")])
+def test_a_batch_sampler_loader_keeps_the_contract_across_a_resume(dataset, tmp_path, stop,
+                                                                   workers, kind):
+    """Its ``len()`` is a whole epoch's batches before and after a resume, every pass is the
+    next epoch without ``set_epoch``, and a resume gives exactly the samples left of the epoch
+    (the sampler plans their batches anew), then the next, whichever workers read them."""
+    keys_of = [dataset[i]["key"] for i in range(len(dataset))]
+    ours = contract(lambda: bucketed(dataset, workers, kind), stop, tmp_path)
+    assert bucketed(dataset, workers, kind).worker_kind == ("none" if not workers else
+                                                            "threads" if kind == "auto" else kind)
+    assert ours["lengths"] == [6] * 4
+    full = ours["full"]
+    assert all(sorted(flat(p)) == sorted(keys_of) and len(p) == 6 for p in full)
+    assert full[0] != full[1] != full[2]  # each pass a new epoch, reshuffled
+    assert ours["abandoned"][1] == full[1]  # an abandoned epoch 0 is followed by epoch 1
+    assert ours["head"] == full[0][:stop]
+    rest, next_epoch = ours["rest"]
+    assert sorted(flat(rest)) == sorted(flat(full[0][stop:])) and len(rest) == 6 - stop
+    assert next_epoch == full[1]
+
+
+def test_a_finished_bucketed_epoch_resumes_at_the_next_and_set_epoch_chooses(dataset, tmp_path):
+    loader = bucketed(dataset, 0, "auto")
+    by_epoch = passes(loader, 3)
+    loader.set_epoch(1)
+    assert passes(loader, 2) == [by_epoch[1], by_epoch[2]]
+    finished = bucketed(dataset, 0, "auto")
+    passes(finished, 1)
+    state = round_trip(finished.state_dict(), tmp_path)
+    resumed = bucketed(dataset, 0, "auto")
+    resumed.load_state_dict(state)
+    assert passes(resumed, 1) == [by_epoch[1]]
+    again = bucketed(dataset, 0, "auto")
+    again.load_state_dict(state)
+    again.set_epoch(0)  # chosen explicitly: the finished epoch 0, nothing left of it
+    assert passes(again, 2) == [[], by_epoch[1]]
+
+
+def test_a_batch_sampler_that_cannot_resume_or_comes_with_a_batch_size_is_refused(dataset):
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from precache.loading import LengthBucketSampler, TokenCollate
+
+    plain = BatchSampler(SequentialSampler(dataset), 4, drop_last=False)
+    with pytest.raises(ValueError, match=r"batch_sampler BatchSampler has no epoch, set_epoch, "
+                                         r"epoch_batches, state_dict, load_state_dict: "):
+        make_loader(dataset, batch_sampler=plain)
+    buckets = LengthBucketSampler([1] * len(dataset), 4)
+    with pytest.raises(ValueError, match=r"batch_size, drop_last given beside batch_sampler "
+                                         r"LengthBucketSampler, which decides them itself"):
+        make_loader(dataset, 4, drop_last=True, batch_sampler=buckets)
+    with pytest.raises(ValueError, match="batch_size must be at least 1, not None"):
+        make_loader(dataset)
+    # TokenCollate pads a batch with a few NumPy calls: auto reads with threads
+    assert make_loader(dataset, 4, num_workers=2, collate_fn=TokenCollate()).worker_kind \
+        == "threads"

@@ -1,6 +1,8 @@
 """The faces landmark model: a small CNN that finds the 5 facial landmarks on cached face crops,
-its training transform and its inputs. ``pipelines/faces/train.py`` trains it with
-``precache.training.loop.fit``, ``pipelines/faces/train_lightning.py`` as a LightningModule.
+its inputs, and the face trainers' shared flags (``--augment-on``, ``--decode-on``: their
+choices, help strings and where crops are decoded). ``pipelines/faces/train.py`` trains it with
+``precache.training.loop.fit``, ``pipelines/faces/train_lightning.py`` as a LightningModule;
+``pipelines/faces/train_classifier.py`` shares the flags.
 
 Targets are ``landmarks5`` in crop pixels / crop size (0..1). ``FaceAugment`` moves and
 re-indexes the points with the image, so a flip cannot teach the model to swap eyes.
@@ -13,12 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from precache.augment import FaceAugment
-from precache.loading.device import as_nchw
-from precache.loading.image_decode import decodes_on
+from precache.loading import as_nchw, decodes_on
 
-__all__ = ["AUGMENT_COLUMNS", "AUGMENT_ON", "AUGMENT_ON_HELP", "AugmentForTraining",
-           "DECODE_ON", "DECODE_ON_HELP", "LandmarkNet", "batch_to_inputs", "decode_in_loader"]
+__all__ = ["AUGMENT_COLUMNS", "AUGMENT_ON", "AUGMENT_ON_HELP", "DECODE_ON", "DECODE_ON_HELP",
+           "LandmarkNet", "batch_to_inputs", "decode_in_loader"]
 
 AUGMENT_COLUMNS = ["image", "landmarks5", "has_mesh", "regions", "region_sizes"]  # FaceAugment's
 AUGMENT_ON = ("device", "loader")  # the face trainers' --augment-on
@@ -48,18 +48,6 @@ def decode_in_loader(device: torch.device | str, decode_on: str, augment_in_load
     if decode_on not in DECODE_ON:
         raise ValueError(f"decode_on must be one of {DECODE_ON}, not {decode_on!r}")
     return augment_in_loader or decode_on == "loader" or not decodes_on(device)
-
-
-class AugmentForTraining:
-    """FaceAugment, then only what the step uses: every tensor a worker sends costs a transfer."""
-
-    def __init__(self) -> None:
-        self.augment = FaceAugment()
-
-    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        out = self.augment(sample)
-        keep = {"key": sample["key"]} if "key" in sample else {}  # read only for --log-keys
-        return {"image": out["image"], "landmarks5": out["landmarks5"], **keep}
 
 
 def _conv_block(cin: int, cout: int) -> nn.Sequential:

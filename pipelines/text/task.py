@@ -1,16 +1,17 @@
 """Text classification from a token cache: the task of ``pipelines/text/train.py`` (an encoder
 trained from scratch) and ``pipelines/text/finetune.py`` (a pretrained transformer).
 
-Batches come from a ``LengthBucketSampler`` (documents of similar length together), padded by
-``TokenCollate`` to their own longest document, so little of each step is spent on padding; every
-10th document is held out, and validation is accuracy over them (each rank scores its share).
+Batches come from ``make_loader`` over a ``LengthBucketSampler`` (documents of similar length
+together; it resumes mid-epoch on any number of ranks), padded by ``TokenCollate`` to their own
+longest document, so little of each step is spent on padding; every 10th document is held out,
+and validation is accuracy over them (each rank scores its share).
 Epoch records add ``val_accuracy``, ``tokens_per_s`` (real tokens, all ranks) and ``padding``
 (the padded share of the batches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,72 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from precache.loading import CachedDataset, ThreadedBatches, loader_workers
-from precache.loading.buckets import LengthBucketSampler
-from precache.loading.loader import check_worker_kind
-from precache.loading.text_collate import TokenCollate
+from precache.loading import CachedDataset, LengthBucketSampler, TokenCollate, make_loader
 from precache.training.loop import Run, Step, Task, TrainData
 
-__all__ = ["BucketLoader", "TextClassification", "TextModel"]
-
-
-class BucketLoader:
-    """A loader over a ``LengthBucketSampler`` with the calls ``fit`` makes of a loader; its
-    positions are samples (each rank's batch holds ``batch_size`` of them), as a
-    ``CacheLoader``'s are.
-
-    Args:
-        dataset: the training documents.
-        sampler: their ``LengthBucketSampler``.
-        collate: e.g. a ``TokenCollate``.
-        workers: loader workers (None: ``loader_workers()``).
-        pin_memory: pin the batches (for a CUDA device).
-        worker_kind: ``threads`` (``ThreadedBatches``; the default for ``auto``: a cached batch
-            is one read per shard and ``TokenCollate`` pads it with a few NumPy calls, so the
-            GIL is held briefly and no batch is copied through shared memory) or
-            ``processes`` (DataLoader worker processes).
-    """
-
-    def __init__(self, dataset: Any, sampler: LengthBucketSampler, collate: Callable, *,
-                 workers: int | None, pin_memory: bool, worker_kind: str = "auto") -> None:
-        workers = loader_workers() if workers is None else workers
-        check_worker_kind(worker_kind)
-        self.sampler = sampler
-        self.num_workers = workers
-        self.worker_kind = "none" if not workers else (
-            "threads" if worker_kind == "auto" else worker_kind)
-        self.loader: DataLoader | ThreadedBatches
-        if self.worker_kind == "threads":
-            self.loader = ThreadedBatches(dataset, sampler, collate, workers,
-                                          pin_memory=pin_memory)
-        else:
-            self.loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                     num_workers=workers, pin_memory=pin_memory,
-                                     persistent_workers=workers > 0)
-
-    def close(self) -> None:
-        """Stop the loader's threads (worker processes stop with the DataLoader)."""
-        if isinstance(self.loader, ThreadedBatches):
-            self.loader.close()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def start_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self, consumed: int) -> dict[str, Any]:
-        """The sampler's state after this rank trained on ``consumed`` samples."""
-        return self.sampler.state_dict(batches=-(-consumed // self.sampler.batch_size))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+__all__ = ["TextClassification", "TextModel"]
 
 
 @dataclass
@@ -137,8 +76,11 @@ class TextClassification(Task):
         self.built = self.build(self.classes, lengths)
         collate = TokenCollate(column="ids", pad_id=self.built.pad_id, multiple_of=8)
         sampler = LengthBucketSampler(lengths[train_idx], s.batch_size, seed=s.seed)
-        loader = BucketLoader(Subset(self.docs, train_idx), sampler, collate, workers=s.workers,
-                              pin_memory=run.device.type == "cuda", worker_kind=s.worker_kind)
+        # auto: threads (a cached batch is one read per shard, TokenCollate pads it with a few
+        # NumPy calls: the GIL is held briefly and no batch is copied through shared memory)
+        loader = make_loader(Subset(self.docs, train_idx), batch_sampler=sampler, seed=s.seed,
+                             collate_fn=collate, num_workers=s.workers,
+                             pin_memory=run.device.type == "cuda", worker_kind=s.worker_kind)
         # every rank scores every world-th held-out document, in as many forward passes as every
         # other rank (fsdp gathers the parameters in each): short shares are padded, not scored
         share = -(-len(val_idx) // run.world_size)

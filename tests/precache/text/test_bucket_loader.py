@@ -1,6 +1,7 @@
-"""BucketLoader, the loader of the text task: its positions are samples, like a CacheLoader's,
-so the loop resumes a length-bucketed epoch on another number of ranks with every document once.
-(The ranks are LengthBucketSamplers given their rank and world size, in this process.)"""
+"""make_loader over a LengthBucketSampler (the text task's loader): its positions are samples, like
+any CacheLoader's, so the loop resumes a length-bucketed epoch on another number of ranks with
+every document once. (The ranks are LengthBucketSamplers given their rank and world size, in this
+process.)"""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ from collections import Counter
 from itertools import islice
 
 import numpy as np
-
 import pytest
 
-from precache.loading.buckets import LengthBucketSampler
-from precache.training.text import BucketLoader
+from precache.loading import CacheLoader, LengthBucketSampler, make_loader
 
 
-def loaders(lengths: np.ndarray, world: int, workers: int) -> list[BucketLoader]:
-    return [BucketLoader(list(range(len(lengths))),
-                         LengthBucketSampler(lengths, 2, seed=0, rank=rank, world_size=world),
-                         lambda batch: batch, workers=workers, pin_memory=False)
+def identity(batch):
+    return batch
+
+
+def loaders(lengths: np.ndarray, world: int, workers: int) -> list[CacheLoader]:
+    return [make_loader(list(range(len(lengths))),
+                        batch_sampler=LengthBucketSampler(lengths, 2, seed=0, rank=rank,
+                                                          world_size=world),
+                        collate_fn=identity, num_workers=workers, pin_memory=False,
+                        worker_kind="threads")
             for rank in range(world)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # read in the loop; by 2 threads (auto's choice)
+@pytest.mark.parametrize("workers", [0, 2])  # read in the loop; by 2 threads
 def test_a_bucketed_epoch_stopped_on_three_ranks_resumes_on_two_with_each_document_once(workers):
     lengths = np.random.default_rng(0).integers(1, 50, 30)
     first = loaders(lengths, 3, workers)

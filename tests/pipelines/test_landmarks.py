@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from precache.training import landmarks
+from precache.pipelines.faces import landmarks
 
 
 @pytest.fixture

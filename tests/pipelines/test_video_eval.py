@@ -1,4 +1,4 @@
-"""Per-video scoring of the face-video classifier (precache.training.video_eval): ROC AUC and
+"""Per-video scoring of the face-video classifier (precache.pipelines.faces.video_eval): ROC AUC and
 log-loss over videos, frame scores to one video score, and a held-out split that keeps a fake
 with its original, the same on every rank."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precache.training.video_eval import aggregate, log_loss, roc_auc, split_videos
+from precache.pipelines.faces.video_eval import aggregate, log_loss, roc_auc, split_videos
 
 
 def test_video_scores_and_metrics() -> None:
