@@ -19,11 +19,8 @@ margin), ``score``, ``landmarks5`` (5 x 2, crop pixels), ``crop_affine`` (2 x 3,
 
 from __future__ import annotations
 
-from precache.processing.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op
-from precache.processing.ops.face_crop import CropFace
-from precache.processing.ops.face_detect import DetectFaces
-from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
-from precache.processing.ops.image import DEFAULT_MAX_PIXELS
+from precache.processing.ops import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, CropFace, DecodeImage,
+                                     DetectFaces, EncodeImage, FaceMesh, FaceRegions, Labels, Op)
 from precache.processing.pipeline import Pipeline
 
 

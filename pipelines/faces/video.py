@@ -27,9 +27,8 @@ max_frames=512 kept the first 20.5 s of 600.0 s; ..."); ``max_frames=0`` lifts t
 
 from __future__ import annotations
 
-from precache.processing.ops import VIDEO_EXTENSIONS, EncodeImage, Labels, Op
-from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
-from precache.processing.ops.video_faces import MAX_FRAMES, VideoFaces
+from precache.processing.ops import (MAX_FRAMES, VIDEO_EXTENSIONS, EncodeImage, FaceMesh,
+                                     FaceRegions, Labels, Op, VideoFaces)
 from precache.processing.pipeline import Pipeline
 
 

@@ -12,8 +12,8 @@ from a metadata file: see ``precache.processing.ops.labels``; none with ``labels
 
 from __future__ import annotations
 
-from precache.processing.ops import IMAGE_EXTENSIONS, DecodeImage, EncodeImage, Labels, Op, ResizeCenterCrop
-from precache.processing.ops.image import DEFAULT_MAX_PIXELS
+from precache.processing.ops import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, DecodeImage,
+                                     EncodeImage, Labels, Op, ResizeCenterCrop)
 from precache.processing.pipeline import Pipeline
 
 

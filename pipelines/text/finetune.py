@@ -19,6 +19,7 @@ another number of ranks, and a step timeline in ``<out>/metrics.jsonl`` (``preca
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 from pathlib import Path
 
@@ -26,8 +27,7 @@ import numpy as np
 from torch import nn
 
 from precache.cache import Cache
-from precache.processing.ops.text import resolve_tokenizer
-from precache.storage.hashing import file_sha256
+from precache.processing.ops import resolve_tokenizer
 from precache.training.loop import fit
 from precache.training.settings import Settings, training_parser
 from precache.pipelines.text.task import TextClassification, TextModel
@@ -63,7 +63,7 @@ def check_tokenizer(cache: str, model: Path) -> None:
         ours = resolve_tokenizer(name)
     except FileNotFoundError:
         return  # the cache's tokenizer file is not on this machine: cannot compare
-    if file_sha256(ours) != file_sha256(theirs):
+    if not filecmp.cmp(ours, theirs, shallow=False):  # byte for byte
         raise SystemExit(f"{cache} was tokenized with {name!r} ({ours}), not with the tokenizer "
                          f"of {model}: rebuild the cache with "
                          f"`--set tokenizer={theirs}`, or pass the matching --model")

@@ -18,8 +18,7 @@ JSON Lines or CSV record, the row index of a Parquet row).
 
 from __future__ import annotations
 
-from precache.processing.ops import FunctionOp, Op
-from precache.processing.ops.text import TEXT_EXTENSIONS, DecodeText, Tokenize
+from precache.processing.ops import TEXT_EXTENSIONS, DecodeText, FunctionOp, Op, Tokenize
 from precache.processing.pipeline import Pipeline
 
 

@@ -24,10 +24,9 @@ own (compressed) bytes.
 
 from __future__ import annotations
 
-from precache.processing.ops import Op
-from precache.processing.ops.volume_read import DEFAULT_MAX_VOXELS
-from precache.processing.ops.volume import (VOLUME_EXTENSIONS, CropForeground, DecodeVolume,
-                                            FitShape, NormaliseIntensity, Resample, VolumeLabels)
+from precache.processing.ops import (DEFAULT_MAX_VOXELS, VOLUME_EXTENSIONS, CropForeground,
+                                     DecodeVolume, FitShape, NormaliseIntensity, Op, Resample,
+                                     VolumeLabels)
 from precache.processing.pipeline import Pipeline
 
 

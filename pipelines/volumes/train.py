@@ -30,9 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from precache.augment.volume import VolumeAugment
-from precache.loading import CachedDataset, DevicePrefetcher, make_loader
-from precache.loading.patches import PatchDataset
+from precache.augment import VolumeAugment
+from precache.loading import CachedDataset, DevicePrefetcher, PatchDataset, make_loader
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, training_parser
 
