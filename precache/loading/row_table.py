@@ -145,10 +145,9 @@ class FixedRows:
     shard (a lookup, a ``np.take`` call) cost more than the rows of a small column (``label``
     read at 0.04 of a memmap's gather, 128 px crops at 0.65). A row's bytes are at its shard's
     view address plus ``row * row_bytes``, so the table keeps, per column, each open shard's
-    address, and reads a batch as one fancy index of an array of ``row_bytes``-wide items whose
-    stride is one byte, spanning every open shard's view (``_Span``): the offsets are computed
-    for the whole batch with three vector operations and NumPy copies each row with one
-    ``memmove`` (without the GIL). Measured forms (``tests/benchmarks/bench_gather.py``, 47
+    address, and reads a batch as one fancy index of an array of ``row_bytes``-wide rows one
+    byte apart, spanning every open shard's view (``_Span``): the offsets are computed for the
+    whole batch with three vector operations and NumPy copies the rows without the GIL. Measured forms (``tests/benchmarks/bench_gather.py``, 47
     shards): one ``np.take`` per shard into the batch's slices reached 0.65-0.80 of the limit
     for crops and 0.05 for ``label``; this reaches about 1.0 for small columns.
 
@@ -235,15 +234,20 @@ class FixedRows:
         """The columns' rows of a ``plan``, one array each (made by NumPy's gather itself)."""
         out = {}
         for name, (dtype, shape), (span, offsets) in zip(self.names, self._specs, plan):
-            got = span.items[offsets]  # one memmove a row, without the GIL
+            got = span.items[offsets]  # without the GIL
             out[name] = got.view(dtype).reshape(len(offsets), *shape)
         return out
 
 
 class _Span:
     """The address range from the lowest to the highest byte of some views, as an array of
-    ``width``-byte items one byte apart (only the items at the views' rows are ever read), and
-    the views, which it holds so that their files stay mapped while it is used."""
+    ``width``-byte rows one byte apart (only the rows at the views' rows are ever read), and
+    the views, which it holds so that their files stay mapped while it is used.
+
+    A row is ``width // unit`` unsigned integers of the largest ``unit`` (8, 4, 2 or 1 bytes)
+    that divides ``width``: NumPy then copies a batch without the GIL (as ``np.take`` does), so
+    thread workers gather in parallel. As one ``width``-byte ``void`` item a row it held the
+    GIL (fewer than 500 items a batch)."""
 
     def __init__(self, views: list[np.ndarray], width: int) -> None:
         self.views = views
@@ -251,10 +255,12 @@ class _Span:
         ends = [view.ctypes.data + view.nbytes for view in views if view.size]
         self.low = min(starts, default=0)
         size = max(ends, default=0) - self.low
+        unit = next(u for u in (8, 4, 2, 1) if width % u == 0) if width else 1
+        dtype = np.dtype(f"u{unit}")
         if size < width or width == 0:
-            self.items = np.empty(0, dtype=np.dtype((np.void, max(1, width))))
+            self.items = np.empty((0, width // unit), dtype=dtype)
             return
         raw = (ctypes.c_char * size).from_address(self.low)
-        self.items = np.ndarray(shape=(size - width + 1,), dtype=np.dtype((np.void, width)),
-                                buffer=raw, strides=(1,))
+        self.items = np.ndarray(shape=(size - width + 1, width // unit), dtype=dtype,
+                                buffer=raw, strides=(1, unit))
         self.items.flags.writeable = False
