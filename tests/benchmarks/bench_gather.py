@@ -105,8 +105,9 @@ def read_batch_epoch(dataset: CachedDataset, next_epoch: Callable[[], list[np.nd
 
     def run() -> int:
         count = 0
-        for index in next_epoch():
-            count += len(dataset.read_batch(index, storage_order=True)[name])
+        for index in next_epoch():  # (held until the next is read, as the limit's and a loop's)
+            batch = dataset.read_batch(index, storage_order=True)
+            count += len(batch[name])
         return count
     return run
 
