@@ -12,7 +12,7 @@ import pytest
 
 from precache.training.checkpoint import load_checkpoint
 from tests.helpers import REPO, load_script
-from tests.helpers.training import read_metrics
+from tests.helpers.training import read_metrics, training_keys
 
 TRAIN = REPO / "pipelines" / "text" / "train.py"
 
@@ -29,6 +29,20 @@ def test_the_encoder_learns_the_labels_with_little_padding(text_cache: Path, tmp
     assert records[-1]["val_accuracy"] > 0.8  # 6 held-out documents of two word lists
     checkpoint = load_checkpoint(out / "last.pt")
     assert checkpoint["classes"] == ["cars", "cats"] and checkpoint["max_length"] % 8 == 0
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_the_documents_it_had_not_trained_on(
+        text_cache: Path, tmp_path: Path):
+    """The loader is make_loader over a LengthBucketSampler, read by 2 threads: a checkpoint
+    after 3 of the epoch's 9 batches resumes with exactly the other 36 documents."""
+    out, keys = tmp_path / "run", tmp_path / "keys"
+    args = ["--cache", str(text_cache), "--out", str(out), "--epochs", "1", "--batch-size", "6",
+            "--workers", "2", "--precision", "fp32", "--log-keys", str(keys)]
+    load_script(TRAIN, "text_train").main([*args, "--max-steps", "3"])
+    load_script(TRAIN, "text_train").main([*args, "--resume", str(out / "last.pt")])
+    lines = [line.split("\t") for line in (keys / "keys-rank0.tsv").read_text().splitlines()]
+    assert {epoch for epoch, _ in lines} == {"0"} and len(lines) == 54
+    assert sorted(key for _, key in lines) == sorted(training_keys(text_cache))
 
 
 def test_a_vocabulary_smaller_than_the_cache_ids_is_a_clear_error(text_cache: Path,
