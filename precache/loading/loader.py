@@ -418,7 +418,8 @@ def make_loader(
             the dataset is a ``CachedDataset`` (or a ``Subset`` of one) without a per-sample
             ``transform`` and no ``collate_fn`` other than a ``TokenCollate`` is given (the
             cache's gather, image decoding, batched augmentation and the padding of a batch of
-            token ids release the GIL), else processes (per-sample Python work holds the GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
+            token ids release the GIL), else processes (per-sample Python work holds the
+            GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
         batch_transform: applied to each collated batch by the worker that read it (a thread
             or a process), e.g. a batched ``FaceAugment``; with threads it is called from
             several threads at once.
