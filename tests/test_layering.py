@@ -257,3 +257,16 @@ def test_no_test_file_imports_another_test_file_or_a_conftest() -> None:
             if target.startswith("tests.") and (leaf.startswith("test_") or leaf == "conftest"):
                 broken.append(f"{name} imports {target}")
     assert broken == []
+
+
+def test_nothing_outside_loading_imports_its_engine() -> None:
+    """``precache.loading._engine`` is stage 2's private engine room: the library and the
+    recipes reach it only through ``precache.loading``'s public names (tests of the engine
+    itself may import it)."""
+    modules = module_names(REPO / "precache", "precache")
+    modules.update(module_names(REPO / "pipelines", "pipelines"))
+    broken = [f"{name} imports {target}"
+              for name, path in modules.items() if not _under(name, "precache.loading")
+              for target in imports_of(path, name, set(modules), top_level_only=False)
+              if _under(target, "precache.loading._engine")]
+    assert broken == []

@@ -46,7 +46,7 @@ import torch
 
 from precache.cache import Cache
 from precache.loading.dataset import CachedDataset
-from precache.loading.open_shards import OpenShards, fds_per_reader
+from precache.loading._engine.open_shards import OpenShards, fds_per_reader
 
 __all__ = ["PatchDataset", "patch_corners"]
 

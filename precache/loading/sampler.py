@@ -32,7 +32,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from precache.loading.lazy_order import LazyOrder
+from precache.loading._engine.lazy_order import LazyOrder
 
 __all__ = ["DistributedShardSampler", "LAZY_ORDER_ROWS", "ORDERS", "shuffle_quality"]
 

@@ -80,7 +80,7 @@ def test_epochs_over_more_shards_than_the_open_file_limit_read_every_sample_once
 
 @pytest.mark.parametrize("format", ["parquet", "hdf5"])
 def test_a_reader_holds_the_descriptors_the_budget_counts(format, request):
-    from precache.loading.open_shards import fds_per_reader, open_files
+    from precache.loading._engine.open_shards import fds_per_reader, open_files
 
     cache = precache.Cache(request.getfixturevalue(f"{format}_cache"))
     schema = cache.manifest.schema

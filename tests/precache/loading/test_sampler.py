@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import precache.loading.sampler as sampler_module
-from precache.loading.lazy_order import LazyOrder
+from precache.loading._engine.lazy_order import LazyOrder
 from precache.loading.sampler import DistributedShardSampler
 
 SIZES = [0, 1, 2, 3, 5, 7, 10, 37, 64]

@@ -30,7 +30,7 @@ from typing import Any
 from precache.cache.formats.base import ShardReader
 from precache.cache.formats.variable import VARIABLE_KINDS
 from precache.cache.schema import ColumnSpec
-from precache.loading.row_table import RowTable
+from precache.loading._engine.row_table import RowTable
 
 __all__ = ["OpenShards", "fds_per_reader", "open_files", "shard_budget", "soft_fd_limit"]
 

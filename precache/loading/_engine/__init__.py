@@ -1,0 +1,12 @@
+"""Stage 2's engine room, private to ``precache.loading``: what every read path of a
+``CachedDataset`` shares and users never import (``tests/test_layering.py`` checks that nothing
+outside ``precache/loading`` does).
+
+- ``open_shards``: the shard readers a process keeps open, within its open-file budget;
+- ``row_table``: per-process tables from dataset row to an open shard's mapped bytes
+  (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a batch
+  is one gather a column however many shards it touches;
+- ``warm``: reading whole shards into the page cache in a thread;
+- ``lazy_order``: an epoch's shuffled order computed as it is consumed;
+- ``generation_pin``: the generation a dataset reads, the same on every rank.
+"""
