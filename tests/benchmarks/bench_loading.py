@@ -110,7 +110,8 @@ def measure_precache(cache: Path, workers: int, max_batches: int | None) -> dict
     try:
         cold, first = epoch_rate(loader, 0, max_batches)
         warm, _ = epoch_rate(loader, 1, max_batches)
-        pids = [p.pid for p in getattr(loader.loader._iterator, "_workers", [])] if workers else []
+        iterator = getattr(loader.loader, "_iterator", None)  # (thread workers have none)
+        pids = [p.pid for p in getattr(iterator, "_workers", [])] if workers else []
         smaps = [_smaps_kb(pid) for pid in pids]
         uss = sum(m.get("Private_Clean", 0) + m.get("Private_Dirty", 0) for m in smaps) * 1024
         pss = sum(m.get("Pss", 0) for m in smaps) * 1024
