@@ -55,7 +55,7 @@ from torch.utils.data import default_collate
 
 from precache.cache import Cache
 from precache.cache.formats.base import ShardReader
-from precache.cache.formats.variable import FEW_ROWS, VARIABLE_KINDS
+from precache.cache.formats.variable import FEW_ROWS
 from precache.cache.image_codec import encoded_columns
 from precache.loading.image_decode import decode_into_batch
 from precache.loading._engine.open_shards import OpenShards, fds_per_reader, shard_budget, soft_fd_limit
@@ -67,11 +67,6 @@ from precache.storage.disk_cache import DiskCache
 __all__ = ["CachedDataset", "CachedBatch", "RaggedRows", "collate_samples"]
 
 Sample = dict[str, Any]
-
-_FOOTER_BYTES = 64 << 10
-"""Bytes at the end of a Parquet shard asked for ahead of opening it, besides its offsets
-columns: its footer and page headers (a few kB for precache's shards)."""
-
 
 def _available_memory() -> int:
     """Bytes the kernel says are available for new data (``MemAvailable``; 0 if unknown)."""
@@ -265,11 +260,6 @@ class CachedDataset:
         self._warmer_pid = 0
         self._warmers: list[ShardWarmer] = []  # every process's, for _let_go
         self._warming_all = 0  # the pid of the process that queued every shard to its warmer
-        # offsets columns at the end of a Parquet shard that a read of these columns needs:
-        # they follow every column, in schema order, so from the first one read (_advise_tails)
-        variable = [name for name, spec in schema.items() if spec.kind in VARIABLE_KINDS]
-        read = [variable.index(name) for name in self.columns if name in variable]
-        self._tail_columns = len(variable) - min(read) if read else 0
         # readers of the requested columns only: a shard opens with fewer page headers to read
         fds = fds_per_reader(self._cache.manifest.format, {n: schema[n] for n in self.columns})
         if max_open_shards is not None and max_open_shards > (budget := shard_budget(fds)):
@@ -507,15 +497,17 @@ class CachedDataset:
         once (``POSIX_FADV_WILLNEED``, which returns at once): stage 1 writes a Parquet shard's
         offsets columns last, before the footer, so opening the shards one by one then finds
         what it reads in memory instead of waiting on the disk for each in turn (a shuffled
-        batch of a cold cache opens hundreds). Local Parquet caches only; a hint, nothing more."""
-        if len(shards) < 2 or self._cache.disk_cache is not None or (
-                self._cache.format.name != "parquet"):
+        batch of a cold cache opens hundreds). Local caches of a format that names such bytes
+        (``ShardFormat.tail_bytes``: Parquet's) only; a hint, nothing more."""
+        if len(shards) < 2 or self._cache.disk_cache is not None:
             return
+        schema, form = self._cache.manifest.schema, self._cache.format
         for shard in shards:
             if self._readers.opened(shard):
                 continue
-            info = self._cache.manifest.shards[shard]
-            tail = _FOOTER_BYTES + 8 * info.rows * self._tail_columns
+            tail = form.tail_bytes(schema, self.columns, self._cache.manifest.shards[shard].rows)
+            if not tail:
+                return  # (the format has nothing worth asking for)
             try:
                 fd = os.open(self._cache.shard_path(shard, look=False), os.O_RDONLY)
             except OSError:

@@ -218,3 +218,14 @@ class ShardFormat(ABC):
     @abstractmethod
     def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:
         """Return a reader over the shard at ``path``."""
+
+    def descriptors(self, schema: dict[str, ColumnSpec]) -> int:
+        """File descriptors an open reader of ``schema``'s columns holds (one: its map; Python's
+        ``mmap`` keeps a descriptor). A process may have only ``ulimit -n`` open."""
+        return 1
+
+    def tail_bytes(self, schema: dict[str, ColumnSpec], columns: Sequence[str], rows: int) -> int:
+        """Bytes at the end of a shard of ``rows`` rows that opening it to read ``columns``
+        reads before anything else, worth asking the disk for ahead of opening many shards at
+        once (``POSIX_FADV_WILLNEED``); 0: nothing is."""
+        return 0

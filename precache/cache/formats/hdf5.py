@@ -338,6 +338,11 @@ class HDF5Format(ShardFormat):
     name = "hdf5"
     suffix = ".h5"
 
+    def descriptors(self, schema: dict[str, ColumnSpec]) -> int:
+        """One for the file plus one for each dataset NumPy maps: a fixed-shape column one, a
+        variable-length column its run and its ends (two)."""
+        return 1 + sum(2 if spec.kind in VARIABLE_KINDS else 1 for spec in schema.values())
+
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
         """Raises:
             ValueError: a column's name is taken by another column's ends (``<name>__ends``), or

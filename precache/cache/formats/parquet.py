@@ -52,6 +52,10 @@ MAPPED_KINDS = ("ndarray", "scalar")
 
 _ENDS = ColumnSpec("scalar", "int64")
 
+_FOOTER_BYTES = 64 << 10
+"""Bytes at the end of a shard worth asking for ahead of opening it, besides its offsets
+columns: its footer and page headers (a few kB for precache's shards)."""
+
 BOOKKEEPING = ("source_key", "source_hash")
 """Columns every row carries for stage 1 alone (the input a row came from, that input's content
 hash). They are written zstd-compressed and without offsets: training never reads them (stage 1's
@@ -492,6 +496,14 @@ class ParquetFormat(ShardFormat):
 
     name = "parquet"
     suffix = ".parquet"
+
+    def tail_bytes(self, schema: dict[str, ColumnSpec], columns: Sequence[str], rows: int) -> int:
+        """The footer and page headers (``_FOOTER_BYTES``), and the offsets columns a read of
+        ``columns`` needs: stage 1 writes every ``<name>__ends`` column after the others, in
+        schema order, so from the first requested variable-length column's to the footer."""
+        variable = [name for name, spec in schema.items() if spec.kind in VARIABLE_KINDS]
+        read = [variable.index(name) for name in columns if name in variable]
+        return _FOOTER_BYTES + 8 * rows * (len(variable) - min(read) if read else 0)
 
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
         """Raises:

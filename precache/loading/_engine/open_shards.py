@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from precache.cache.formats import get_format
 from precache.cache.formats.base import ShardReader
-from precache.cache.formats.variable import VARIABLE_KINDS
 from precache.cache.schema import ColumnSpec
 from precache.loading._engine.row_table import RowTable
 
@@ -53,13 +53,10 @@ def open_files() -> int:
 
 
 def fds_per_reader(format_name: str, schema: dict[str, ColumnSpec]) -> int:
-    """Descriptors an open reader of ``schema``'s columns holds: a Parquet shard one (its map;
-    Python's ``mmap`` keeps a descriptor), an HDF5 shard one for the file plus one for each
-    dataset NumPy maps (a fixed-shape column one, a variable-length column its run and its
-    ends: two). Measured in tests/precache/loading/test_open_files.py."""
-    if format_name != "hdf5":
-        return 1
-    return 1 + sum(2 if spec.kind in VARIABLE_KINDS else 1 for spec in schema.values())
+    """Descriptors an open reader of ``schema``'s columns holds (the format's ``descriptors``:
+    a Parquet shard one, an HDF5 shard one for the file and one for each dataset NumPy maps).
+    Measured in tests/precache/loading/test_open_files.py."""
+    return get_format(format_name).descriptors(schema)
 
 
 class _ProcessFiles:
