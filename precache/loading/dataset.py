@@ -569,8 +569,8 @@ class CachedDataset:
         mapped even if another thread closes a reader meanwhile).
         """
         fast = self._read_complete(indices, empty)
-        if fast is None and empty is np.empty:
-            fast = self._read_fixed(indices)
+        if fast is None:
+            fast = self._read_fixed(indices, empty)
         if fast is not None:
             return fast
         copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]] = []
@@ -630,13 +630,13 @@ class CachedDataset:
             out[name] = self._images(name, out[name], index, empty)
         return out
 
-    def _read_fixed(self, indices: Sequence[int]) -> dict[str, Any] | None:
+    def _read_fixed(self, indices: Sequence[int],
+                    empty: Callable[..., np.ndarray]) -> dict[str, Any] | None:
         """A warm batch whose requested columns are all fixed-shape and mapped: one gather a
         column through this process's ``FixedRows``, whatever shards it touches, instead of
-        ``_gather``'s one copy a shard. ``None`` otherwise: then ``_gather`` reads it (and opens
-        its shards, which the next batch adds to the table). Not with an ``empty`` of the
-        caller's (``read_batch`` checks: pinned memory): NumPy's gather makes its own array,
-        and a copy into the caller's would cost what it saves."""
+        ``_gather``'s one copy a shard (into ``empty``'s arrays where the caller gives one:
+        pinned memory). ``None`` otherwise: then ``_gather`` reads it (and opens its shards,
+        which the next batch adds to the table)."""
         if (self._faulting or self.resident or self.release_mapped_bytes is not None
                 or not self._fixed_only):
             return None
@@ -662,7 +662,8 @@ class CachedDataset:
             if plan is None:
                 return None
             self._faults_at_return = faults
-        return table.gather(plan)  # outside the lock: in parallel in thread workers
+        # outside the lock: in parallel in thread workers
+        return table.gather(plan, None if empty is np.empty else empty)
 
     def _fill_fixed(self, table: FixedRows, shard_ids: np.ndarray) -> bool:
         """``_fill`` for a ``FixedRows``: open the shards of ``shard_ids`` it lacks and add them;

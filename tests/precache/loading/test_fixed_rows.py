@@ -96,3 +96,29 @@ def test_threads_read_right_rows_while_shards_close_under_them(cache):
             assert all(pool.map(read, range(4)))
     finally:
         dataset.close()
+
+
+def test_a_warm_batch_is_gathered_straight_into_the_callers_arrays(cache):
+    """``empty`` (a thread loader's pinned allocator) makes the batch's arrays; the table
+    gathers into them, asking for no shard."""
+    made: list[np.ndarray] = []
+
+    def empty(shape, dtype):
+        made.append(np.full(shape, 255, dtype))
+        return made[-1]
+
+    def strided(shape, dtype):  # not contiguous within a row: filled all the same
+        return np.zeros((*shape[:-1], shape[-1] * 2), dtype)[..., :shape[-1]]
+    dataset = CachedDataset(cache, columns=["image"])
+    try:
+        for _ in range(3):  # cold, the table fills, then torch's gather has run once
+            dataset.read_batch(np.arange(ROWS), empty=empty)
+        asked, made[:] = _counting_gets(dataset), []
+        indices = np.array([7, 3, 39, 3, 0])
+        got = dataset.read_batch(indices, storage_order=True, empty=empty)["image"]
+        assert asked == [] and len(made) == 1 and got is made[0]
+        assert got[:, 0, 0, 0].tolist() == indices.tolist() and (got == got[:, :1, :1, :1]).all()
+        got = dataset.read_batch(indices, empty=strided)["image"]
+        assert got[:, 0, 0, 0].tolist() == indices.tolist() and (got == got[:, :1, :1, :1]).all()
+    finally:
+        dataset.close()
