@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
-import resource
+import resource  # noqa: F401 (tests patch resource.getrusage through this module)
 import threading
 import warnings
 import weakref
@@ -61,6 +61,7 @@ from precache.loading.image_decode import decode_into_batch
 from precache.loading._engine.open_shards import OpenShards, fds_per_reader, shard_budget, soft_fd_limit
 from precache.loading._engine.generation_pin import open_pinned
 from precache.loading._engine.row_table import FixedRows, RowTable
+from precache.loading._engine.page_policy import PagePolicy
 from precache.loading._engine.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
@@ -243,23 +244,13 @@ class CachedDataset:
         self._row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
         # the index of each shard's first row (a shard's rows are consecutive indices), and len
         self._first = np.cumsum([0, *map(len, row_of)], dtype=np.int64)
-        self.release_mapped_bytes = release_mapped_bytes
-        self._mapped_read = 0  # bytes gathered from mapped pages since they were last released
-        self._faulting = True  # the last batch read pages from disk: read ahead (read_ahead)
-        # ru_majflt when the last batch returned (_consumer_faulted)
-        self._faults_at_return = 0
         # (pid, table) once a row table serves every requested column of every shard: warm
         # batches then go straight to it (_read_complete)
         self._complete: tuple[int, RowTable] | None = None
-        # A cache that fits in memory is read into the page cache whole shard by whole shard
-        # (large sequential reads, ShardWarmer) besides the rows a batch needs; a larger one
-        # only row by row.
-        self._warm_whole_shards = sum(s.bytes for s in self._cache.manifest.shards) <= (
-            _available_memory() // 2)
-        self._warmer: ShardWarmer | None = None
-        self._warmer_pid = 0
-        self._warmers: list[ShardWarmer] = []  # every process's, for _let_go
-        self._warming_all = 0  # the pid of the process that queued every shard to its warmer
+        # faults, read-ahead, warming (a cache that fits in memory), release of mapped pages
+        self._policy = PagePolicy(
+            sum(s.bytes for s in self._cache.manifest.shards) <= _available_memory() // 2,
+            release_mapped_bytes, local=self._cache.disk_cache is None)
         # readers of the requested columns only: a shard opens with fewer page headers to read
         fds = fds_per_reader(self._cache.manifest.format, {n: schema[n] for n in self.columns})
         if max_open_shards is not None and max_open_shards > (budget := shard_budget(fds)):
@@ -274,7 +265,7 @@ class CachedDataset:
         # dropped without close(): let go of the lease and stop the threads all the same (the
         # finalizer holds what it releases, not the dataset)
         self._finalizer = weakref.finalize(self, _let_go, self._cache, self._owner_pid,
-                                           self._readers, self._warmers)
+                                           self._readers, self._policy.warmers)
         # read_batch may run in several threads (make_loader's thread workers): what it opens
         # and the tables it fills are guarded; decoding images runs outside the lock
         self._lock, self._lock_pid = threading.RLock(), os.getpid()
@@ -356,10 +347,9 @@ class CachedDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_resident"] = None  # rebuilt by the process that reads, never pickled
-        state["_warmer"] = None  # a thread stays in its process
-        state["_warmers"], state["_finalizer"] = [], None  # (a copy makes its own: __setstate__)
-        state["_warming_all"] = 0
-        state["_complete"], state["_faults_at_return"] = None, 0  # this process's
+        state["_policy"] = self._policy.for_copy()  # (threads stay in their process)
+        state["_finalizer"] = None  # (a copy makes its own: __setstate__)
+        state["_complete"] = None  # this process's
         state["_lock"], state["_lock_pid"] = None, 0  # a lock does not travel; made on use
         return state
 
@@ -367,7 +357,7 @@ class CachedDataset:
         self.__dict__.update(state)
         # a copy (a worker's, or copy.copy's: it may share the readers and the lease with the
         # original, whose own finalizer lets go of them) stops only the threads it starts
-        self._finalizer = weakref.finalize(self, _let_go, None, -1, None, self._warmers)
+        self._finalizer = weakref.finalize(self, _let_go, None, -1, None, self._policy.warmers)
 
     def _guard(self) -> threading.RLock:
         """This process's lock over the readers and row tables (a forked or unpickled copy
@@ -376,22 +366,22 @@ class CachedDataset:
             self._lock, self._lock_pid = threading.RLock(), os.getpid()
         return self._lock
 
-    def _warm_every_shard(self) -> None:
-        """Queue every shard of this local cache to be read whole (``ShardWarmer``), once per
-        process: a cache that fits in memory then arrives in large sequential reads while the
-        batches fault in their own rows, instead of a shard at a time as batches touch them
-        (with small shards, a cold epoch opens hundreds of files)."""
-        if self._warming_all != os.getpid():  # (a forked worker has a warmer of its own)
-            self._warming_all = os.getpid()
-            warmer = self._shard_warmer()
-            for shard in range(len(self._cache.manifest.shards)):
-                warmer.warm(self._cache.shard_path(shard, look=False))
+    # the policy's state, under the names it had here (tests set them)
+    _faulting = property(lambda self: self._policy.faulting,
+                         lambda self, value: setattr(self._policy, "faulting", value))
+    _warm_whole_shards = property(
+        lambda self: self._policy.warm_whole_shards,
+        lambda self, value: setattr(self._policy, "warm_whole_shards", value))
+    _warmer = property(lambda self: self._policy.warmer)
 
-    def _shard_warmer(self) -> ShardWarmer:
-        if self._warmer is None or self._warmer_pid != os.getpid():  # none, or the parent's
-            self._warmer, self._warmer_pid = ShardWarmer(), os.getpid()
-            self._warmers.append(self._warmer)
-        return self._warmer
+    @property
+    def release_mapped_bytes(self) -> int | None:
+        """See the class docstring."""
+        return self._policy.release_mapped_bytes
+
+    @release_mapped_bytes.setter
+    def release_mapped_bytes(self, value: int | None) -> None:
+        self._policy.release_mapped_bytes = value
 
     @property
     def max_decoded_bytes(self) -> int:
@@ -427,7 +417,7 @@ class CachedDataset:
         Skipped while reads come from memory: when the last batch this process gathered caused
         no page read from disk (``ru_majflt`` did not grow), the pages are in the page cache and
         a hint per row would only cost system calls."""
-        if not self._faulting:
+        if not self._policy.faulting:
             return
         indices = np.asarray(indices, dtype=np.int64)
         with self._guard():
@@ -452,7 +442,7 @@ class CachedDataset:
             shard_ids = self._shard[indices]  # (not needed once every shard is ready)
             ready = bool(table.ready[shard_ids].all()) or self._fill(table, shard_ids)
         if table.usable and ready:
-            self._mapped_read += int(table.row_bytes * len(indices))  # about
+            self._policy.mapped_read += int(table.row_bytes * len(indices))  # about
             if table.complete and names == self.columns:
                 self._complete = (os.getpid(), table)
             return table.read(indices)
@@ -483,8 +473,7 @@ class CachedDataset:
         if len(closed) < 2:
             return  # nothing to overlap
         self._advise_tails(closed)
-        if len(closed) > self._readers.room() or (
-                self._warm_whole_shards and self._warming_all == os.getpid()):
+        if len(closed) > self._readers.room() or self._policy.warming_every_shard():
             return  # opening them would close some of them again; or see above
         readers = [self._readers.get(shard) for shard in closed]  # parses each footer
         for reader in readers:
@@ -539,7 +528,7 @@ class CachedDataset:
                     sum(c.row_bytes for c in columns))
             readers[shard] = made[0]
             row_bytes += made[1]
-        self._mapped_read += int(row_bytes / max(1, len(readers)) * len(rows))  # about
+        self._policy.mapped_read += int(row_bytes / max(1, len(readers)) * len(rows))  # about
         if len(names) == 1:
             one = {shard: made[0] for shard, made in readers.items()}
             return {names[0]: [one[s](r) for s, r in zip(shards, rows)]}
@@ -575,9 +564,7 @@ class CachedDataset:
             return fast
         copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]] = []
         with self._guard():
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            if self._consumer_faulted(faults):
-                self._faulting = True
+            faults = self._policy.begin()
             out, order, groups = self._gather(indices, ahead, storage_order, copies, empty)
         for view, rows, batch, positions, take in copies:  # without the GIL: in parallel
             if take:  # rows are in range (checked): "clip" only spares take a copy
@@ -586,20 +573,13 @@ class CachedDataset:
                 batch[positions] = view[rows]
         if not self.resident:
             with self._guard():
-                self._after_gather(faults, groups)
+                self._policy.after_gather(
+                    faults, lambda: [self._reader(shard).path for shard, _, _ in groups],
+                    self._readers.values())
         for name in self._encoded:
             if name in out and order is not None:
                 out[name] = self._images(name, out[name], order, empty)
         return out
-
-    def _consumer_faulted(self, faults: int) -> bool:
-        """Whether pages were read from disk since the last batch returned (``faults``: this
-        process's ``ru_majflt`` now): rows of variable-length columns are views, read by the
-        consumer after the batch returns. Not while the warming thread reads every shard whole:
-        a hint a row then costs more than it saves (8,192-row shards read cold at 0.95-1.02
-        of the limit with them, 1.00-1.22 without)."""
-        return faults > self._faults_at_return and not (
-            self._warm_whole_shards and self._warming_all == os.getpid())
 
     def _read_complete(self, indices: Sequence[int],
                        empty: Callable[..., np.ndarray]) -> dict[str, Any] | None:
@@ -607,22 +587,21 @@ class CachedDataset:
         by a complete ``RowTable``: one table read, none of ``_gather``'s groups and checks
         (they cost a fifth of the rows' own time on a 256-row batch). ``None`` otherwise."""
         complete = self._complete
-        if complete is None or self._faulting or self.release_mapped_bytes is not None:
+        if complete is None or self._policy.faulting or self.release_mapped_bytes is not None:
             return None
         index = _index_array(indices)
         with self._guard():
             pid, table = complete
             if pid != os.getpid() or not table.complete:  # a fork's copy, or a shard closed
                 return None
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            if self._consumer_faulted(faults):  # the general path reads ahead again
-                self._faulting = True
+            faults = self._policy.begin()
+            if self._policy.faulting:  # the general path reads ahead again
                 return None
             try:
                 lists = table.read(index)  # negative indices count from the end, as in _gather
             except IndexError:
                 raise IndexError(f"index out of range for a cache of {len(self)} rows") from None
-            self._faults_at_return = faults  # (reading the table touches no row)
+            self._policy.faults_at_return = faults  # (reading the table touches no row)
         schema = self._cache.manifest.schema
         out = {name: RaggedRows(values) if schema[name].kind == "ragged" else values
                for name, values in lists.items()}
@@ -637,14 +616,13 @@ class CachedDataset:
         ``_gather``'s one copy a shard (into ``empty``'s arrays where the caller gives one:
         pinned memory). ``None`` otherwise: then ``_gather`` reads it (and opens its shards,
         which the next batch adds to the table)."""
-        if (self._faulting or self.resident or self.release_mapped_bytes is not None
+        if (self._policy.faulting or self.resident or self.release_mapped_bytes is not None
                 or not self._fixed_only):
             return None
         index = _index_array(indices)
         with self._guard():
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            if self._consumer_faulted(faults):
-                self._faulting = True
+            faults = self._policy.begin()
+            if self._policy.faulting:
                 return None
             schema = self._cache.manifest.schema
             table = self._readers.row_table(("fixed", *self.columns), lambda: FixedRows(
@@ -661,7 +639,7 @@ class CachedDataset:
                 raise IndexError(f"index out of range for a cache of {len(self)} rows") from None
             if plan is None:
                 return None
-            self._faults_at_return = faults
+            self._policy.faults_at_return = faults
         # outside the lock: in parallel in thread workers
         return table.gather(plan, None if empty is np.empty else empty)
 
@@ -678,20 +656,6 @@ class CachedDataset:
             if not table.add(shard, self._readers.get(shard).mapped()):
                 return False
         return bool(table.ready[wanted].all())
-
-    def _after_gather(self, faults: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """Whether the batch read pages from disk (then read ahead and warm shards), and the
-        release of mapped pages (``release_mapped_bytes``)."""
-        now = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        self._faulting, self._faults_at_return = now > faults, now
-        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is not None:
-            warmer = self._shard_warmer()  # after the gather: it needs the disk (a remote cache:
-            for shard, _, _ in groups:  # the shards it fetched; a local one queued all)
-                warmer.warm(self._reader(shard).path)
-        if self.release_mapped_bytes is not None and self._mapped_read >= self.release_mapped_bytes:
-            for reader in self._readers.values():
-                reader.release_pages()
-            self._mapped_read = 0
 
     def _gather(self, indices: Sequence[int], ahead: Sequence[int] | None, storage_order: bool,
                 copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]],
@@ -723,10 +687,11 @@ class CachedDataset:
         # a few rows of each of many shards: list columns row by row, in the order asked for
         row_by_row = bool(listed) and (not out or not storage_order) and (
             len(indices) < FEW_ROWS * len(self._cache.manifest.shards))
-        if self._faulting and self._warm_whole_shards and self._cache.disk_cache is None:
-            self._warm_every_shard()
-        groups = self._groups(indices) if out or self._faulting or not row_by_row else None
-        if self._faulting and groups:  # ask for every row at once: the disk serves them in parallel
+        self._policy.before_gather(lambda: (self._cache.shard_path(shard, look=False)
+                                            for shard in range(len(self._cache.manifest.shards))))
+        faulting = self._policy.faulting
+        groups = self._groups(indices) if out or faulting or not row_by_row else None
+        if faulting and groups:  # ask for every row at once: the disk serves them in parallel
             self._open_many([shard for shard, _, _ in groups])
             self._will_need(groups)
         if ahead is not None:
@@ -754,12 +719,12 @@ class CachedDataset:
                     continue
                 values.extend(column.buffers(rows) if name in self._encoded
                               else column.rows(rows))
-                self._mapped_read += int(column.row_bytes * len(rows))  # about
+                self._policy.mapped_read += int(column.row_bytes * len(rows))  # about
             for name, view in views.items():
                 if name in out:  # copied into the batch by read_batch, outside the lock
                     copies.append((view, rows, out[name], positions,
                                    bool(storage_order and view.flags.aligned)))
-                    self._mapped_read += view.itemsize * view[0].size * len(rows)
+                    self._policy.mapped_read += view.itemsize * view[0].size * len(rows)
             rest += [name for name in out if name not in views]  # older shards' arrays
             if rest:
                 for name, values in reader.read(rows, rest).items():  # decoded (older shards)
@@ -845,8 +810,8 @@ class CachedDataset:
     def close(self) -> None:
         """Close the shard files and let go of the generation (its lease); dropping the last
         reference to the dataset does the same."""
-        _let_go(self._cache, self._owner_pid, self._readers, self._warmers)
-        self._warmer = None
+        _let_go(self._cache, self._owner_pid, self._readers, self._policy.warmers)
+        self._policy.warmer = None
         self._resident = None
 
 

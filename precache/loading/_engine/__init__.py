@@ -6,6 +6,7 @@ outside ``precache/loading`` does).
 - ``row_table``: per-process tables from dataset row to an open shard's mapped bytes
   (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a batch
   is one gather a column however many shards it touches;
+- ``page_policy``: a dataset's page-cache policy (faults, read-ahead, warming, release);
 - ``warm``: reading whole shards into the page cache in a thread;
 - ``lazy_order``: an epoch's shuffled order computed as it is consumed;
 - ``generation_pin``: the generation a dataset reads, the same on every rank.
