@@ -140,7 +140,7 @@ class RowTable:
 
 class FixedRows:
     """Fixed-shape columns ``names`` of a dataset by dataset index: a batch of rows from any
-    number of open shards is one NumPy gather a column, straight into the batch's array.
+    number of open shards is one gather a column, straight into the batch's array.
 
     A shuffled batch of 256-row shards touches a shard every few rows, and anything done once a
     shard (a lookup, a ``np.take`` call) cost more than the rows of a small column (``label``
@@ -148,9 +148,10 @@ class FixedRows:
     view address plus ``row * row_bytes``, so the table keeps, per column, each open shard's
     address, and reads a batch as one fancy index of an array of ``row_bytes``-wide rows one
     byte apart, spanning every open shard's view (``_Span``): the offsets are computed for the
-    whole batch with three vector operations and NumPy copies the rows without the GIL. Measured forms (``tests/benchmarks/bench_gather.py``, 47
-    shards): one ``np.take`` per shard into the batch's slices reached 0.65-0.80 of the limit
-    for crops and 0.05 for ``label``; this reaches about 1.0 for small columns.
+    whole batch with three vector operations and NumPy copies the rows without the GIL.
+    Measured forms (``tests/benchmarks/bench_gather.py``, 47 shards): one ``np.take`` per shard
+    into the batch's slices reached 0.65-0.80 of the limit for crops and 0.05 for ``label``;
+    this 0.9-1.0 for crops on a quiet machine and 0.3-0.5 for ``label`` (docs/performance.md).
 
     Only the views of shards open in this process are held (``drop`` as ``OpenShards`` closes
     a reader), so the table keeps no more files mapped than the open-file budget allows; a
