@@ -58,7 +58,8 @@ from precache.cache.formats.base import ShardReader
 from precache.cache.formats.variable import FEW_ROWS
 from precache.cache.image_codec import encoded_columns
 from precache.loading.image_decode import decode_into_batch
-from precache.loading._engine.open_shards import OpenShards, fds_per_reader, shard_budget, soft_fd_limit
+from precache.loading._engine.open_shards import (OpenShards, fds_per_reader, shard_budget,
+                                                   soft_fd_limit)
 from precache.loading._engine.generation_pin import open_pinned
 from precache.loading._engine.row_table import FixedRows, RowTable
 from precache.loading._engine.page_policy import PagePolicy
