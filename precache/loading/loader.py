@@ -341,7 +341,8 @@ class CacheLoader:
         saved = state.get("generation")
         if cached is not None and saved is not None and saved != cached.generation:
             kept = saved in cached.kept_generations()
-            fix = (f"to resume exactly, open CachedDataset('{cached.path}', generation={saved}), "
+            fix = (f"to resume exactly, open {type(cached).__name__}('{cached.path}', "
+                   f"generation={saved}), "
                    "which is still kept" if kept else
                    f"generation {saved} is no longer kept (precache gc or a re-run removed it)")
             raise ValueError(

@@ -64,6 +64,16 @@ class PackedBlocks:
         """The generation of the cache the blocks are cut from."""
         return self._ids.generation
 
+    @property
+    def path(self) -> Any:
+        """The cache the blocks are cut from."""
+        return self._ids.path
+
+    def kept_generations(self) -> list[int]:
+        """The generations of the cache whose files are kept now (a loader's refusal of a
+        state saved on another generation says whether that one can still be read)."""
+        return self._ids.kept_generations()
+
     def close(self) -> None:
         """Let go of the generation and close the shard files (dropping the blocks does too)."""
         self._ids.close()

@@ -54,3 +54,27 @@ def test_ids_and_lengths_come_from_one_generation_across_a_publish(tmp_path, mon
     assert np.array_equal(np.concatenate(got), stream[:len(blocks) * BLOCK])
     assert blocks.generation == 1
     blocks.close()
+
+
+def test_a_loader_state_of_another_generation_of_the_blocks_is_refused_in_one_line(tmp_path):
+    """A ``make_loader`` loader over ``PackedBlocks`` records the blocks' generation; a state
+    saved on generation 1 is refused by a loader over generation 2 with the way to resume, as
+    over a ``CachedDataset`` (it raised ``AttributeError``: no ``kept_generations``)."""
+    from precache.loading import make_loader
+
+    docs, cache = tmp_path / "docs.jsonl", tmp_path / "cache"
+    write_docs(docs, words=5, seed=0)
+    build_cache(docs, cache, pipeline="text", workers=1, shard_rows=4)
+    old = packing.PackedBlocks(cache, BLOCK)
+    loader = make_loader(old, 2, num_workers=0)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert state["generation"] == 1
+    write_docs(docs, words=9, seed=1)
+    build_cache(docs, cache, pipeline="text", workers=1, shard_rows=4)
+    new = packing.PackedBlocks(cache, BLOCK)
+    with pytest.raises(ValueError, match=r"saved reading generation 1 .* reads generation 2; "
+                                         r"to resume exactly, open .*generation=1"):
+        make_loader(new, 2, num_workers=0).load_state_dict(state)
+    old.close()
+    new.close()
