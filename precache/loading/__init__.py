@@ -3,6 +3,7 @@
 ``precache.loading.lightning``: they import those libraries)."""
 
 from precache.loading.buckets import LengthBucketSampler
+from precache.loading.cache_backed import CacheBacked
 from precache.loading.clips import ClipDataset, VideoFrameDataset, collate_clips
 from precache.loading.dataset import CachedDataset, RaggedRows
 from precache.loading.device import DevicePrefetcher, as_nchw, to_device
@@ -18,4 +19,4 @@ __all__ = ["CachedDataset", "DistributedShardSampler", "make_loader", "CacheLoad
            "loader_workers", "DevicePrefetcher", "to_device", "as_nchw", "PackedBlocks",
            "ClipDataset", "VideoFrameDataset", "collate_clips", "TokenCollate",
            "LengthBucketSampler", "RaggedRows", "ThreadedBatches", "decode_images", "decodes_on",
-           "PatchDataset"]
+           "PatchDataset", "CacheBacked"]

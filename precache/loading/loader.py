@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from precache.loading.cache_backed import CacheBacked
 from precache.loading.dataset import CachedDataset, collate_samples
 from precache.loading.sampler import DistributedShardSampler
 from precache.loading.text_collate import TokenCollate
@@ -353,9 +354,10 @@ class CacheLoader:
         self._started = None
 
     def cached_dataset(self) -> Any:
-        """The dataset over a cache under the loader's dataset (through ``Subset``s: one with a
-        ``generation``, e.g. a ``CachedDataset`` or ``ClipDataset``), or None."""
-        return _beneath_subsets(self.loader.dataset, lambda d: hasattr(type(d), "generation"))
+        """The dataset over a cache under the loader's dataset, through ``Subset``s (a
+        ``CacheBacked`` one: a ``CachedDataset``, ``ClipDataset``, ``PackedBlocks``...), or
+        None."""
+        return _beneath_subsets(self.loader.dataset, lambda d: isinstance(d, CacheBacked))
 
 
 WORKER_KINDS = ("auto", "threads", "processes")

@@ -222,3 +222,15 @@ def test_a_batch_sampler_that_cannot_resume_or_comes_with_a_batch_size_is_refuse
     # TokenCollate pads a batch with a few NumPy calls: auto reads with threads
     assert make_loader(dataset, 4, num_workers=2, collate_fn=TokenCollate()).worker_kind \
         == "threads"
+
+
+def test_the_loader_finds_the_cache_backed_dataset_under_subsets_by_its_declared_protocol(
+        dataset):
+    from torch.utils.data import Subset
+
+    from precache.loading import CacheBacked
+
+    assert isinstance(dataset, CacheBacked) and not isinstance(Subset(dataset, [0]), CacheBacked)
+    nested = Subset(Subset(dataset, range(20)), range(10))
+    assert make_loader(nested, 4, num_workers=0).cached_dataset() is dataset
+    assert make_loader(list(range(10)), 4, num_workers=0).cached_dataset() is None
