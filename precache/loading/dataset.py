@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import os
-import resource  # noqa: F401 (tests patch resource.getrusage through this module)
 import threading
 import warnings
 import weakref
@@ -366,14 +365,6 @@ class CachedDataset:
         if self._lock_pid != os.getpid():
             self._lock, self._lock_pid = threading.RLock(), os.getpid()
         return self._lock
-
-    # the policy's state, under the names it had here (tests set them)
-    _faulting = property(lambda self: self._policy.faulting,
-                         lambda self, value: setattr(self._policy, "faulting", value))
-    _warm_whole_shards = property(
-        lambda self: self._policy.warm_whole_shards,
-        lambda self, value: setattr(self._policy, "warm_whole_shards", value))
-    _warmer = property(lambda self: self._policy.warmer)
 
     @property
     def release_mapped_bytes(self) -> int | None:

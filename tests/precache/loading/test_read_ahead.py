@@ -213,7 +213,7 @@ def test_a_batch_asks_for_the_page_headers_of_all_its_shards_before_mapping_one(
     monkeypatch.setattr(ParquetShardReader, "mapped", lambda self: (
         calls.append(("mapped", self.path)) if self._views is None else None) or mapped(self))
     dataset = CachedDataset(cache, columns=["image"])  # opens shard 0 to look at it
-    dataset._warm_whole_shards = False  # as past RAM (no thread reading every shard)
+    dataset._policy.warm_whole_shards = False  # as past RAM (no thread reading every shard)
     calls.clear()
     dataset.read_batch([17, 40, 33, 20])  # shards 1 and 2
     paths = {str(precache.Cache(cache).shard_path(i)) for i in (1, 2)}

@@ -387,13 +387,11 @@ def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_sam
         ragged_cache, monkeypatch):
     import resource
 
-    import precache.loading.dataset as dataset_module
-
     truth = read_truth(ragged_cache)
     keys = precache.Cache(ragged_cache).read_all(["key"])["key"]
     dataset = CachedDataset(ragged_cache, columns=["key", "ids"])
     dataset.read_batch(list(range(60)))  # opens every shard: the table is complete
-    dataset._faulting = False  # (the test's own files may have been read from disk)
+    dataset._policy.faulting = False  # (the test's own files may have been read from disk)
     gathered = []
     real_gather = dataset._gather
     monkeypatch.setattr(dataset, "_gather", lambda *a: gathered.append(1) or real_gather(*a))
@@ -404,7 +402,7 @@ def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_sam
         dataset.read_batch([0, 60])
     # past RAM (no thread reading whole shards), pages read from disk after a batch returned
     # (its rows are views) make the next batch take the general path, which reads ahead
-    dataset._warm_whole_shards = False
+    dataset._policy.warm_whole_shards = False
     faults = iter(range(10**6, 10**7, 7))
     real = resource.getrusage
 
@@ -412,8 +410,8 @@ def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_sam
         def __init__(self) -> None:
             self.ru_majflt = next(faults)
 
-    monkeypatch.setattr(dataset_module.resource, "getrusage", lambda who: Usage())
+    monkeypatch.setattr(resource, "getrusage", lambda who: Usage())
     check_batch(dataset.read_batch([3, 40]), truth, [keys[i] for i in (3, 40)])
-    assert gathered == [1] and dataset._faulting
-    monkeypatch.setattr(dataset_module.resource, "getrusage", real)
+    assert gathered == [1] and dataset._policy.faulting
+    monkeypatch.setattr(resource, "getrusage", real)
     dataset.close()
