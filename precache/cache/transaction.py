@@ -320,8 +320,8 @@ class WriteTransaction:
             found = file_checksum(layout.root / info.path)
         except FileNotFoundError:
             return "it is missing"
-        except ChecksumError:
-            return f"its checksum does not match the manifest's {info.checksum}"
+        except ChecksumError:  # (a download that did not match)
+            found = None
         if found != info.checksum:
             return f"its checksum does not match the manifest's {info.checksum}"
         return None

@@ -338,9 +338,8 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
 
     Raises:
         InputError: the path does not exist, matches nothing, is a file of another kind, or is
-            inside ``exclude``; a
-            dataset is in memory, selects rows through an indices mapping, or has rows that are
-            not in its files.
+            inside ``exclude``; a dataset is in memory, selects rows through an indices
+            mapping, or has rows that are not in its files.
     """
     dataset = path if hasattr(path, "cache_files") and hasattr(path, "num_rows") else None
     root = "datasets.Dataset" if dataset is not None else os.fspath(path)
