@@ -228,9 +228,9 @@ def test_main_names_import_from_precache_without_torch_until_used() -> None:
         "assert len(precache.__all__) <= 15, precache.__all__  # the first hour's names only\n"
         "missing = [n for n in precache.__all__ if getattr(precache, n, None) is None]\n"
         "assert not missing, missing\n"
-        "import precache.loading, precache.loading.lightning\n"
+        "import precache.loading, precache.loading.interop.lightning\n"
         "assert precache.loading.CachedDataset is CachedDataset\n"
-        "assert precache.Cache is Cache and precache.loading.lightning.CacheDataModule\n"
+        "assert precache.Cache is Cache and precache.loading.interop.lightning.CacheDataModule\n"
         "print(run.__module__, Cache.__module__)\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["precache.processing.runner", "precache.cache.reader"]

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from precache.augment import FaceAugment
-from precache.loading.lightning import CacheDataModule
+from precache.loading.interop.lightning import CacheDataModule
 from precache.pipelines.faces.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
 from precache.training.metrics_log import MetricLog
 from precache.training.settings import training_parser

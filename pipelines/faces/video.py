@@ -16,7 +16,7 @@ Rows: one per (video, track, sampled frame), key ``<video>#t<track>#f<frame inde
 those of ``faces`` (``image``, ``box`` and ``landmarks5`` and ``crop_affine``, ``mesh``,
 ``regions``, ...), plus ``video``, ``track``, ``frame_index``, ``time_s``, ``detected``,
 ``fps``, ``duration_s``, ``frame_count``, ``warning`` (see ``precache.processing.ops.video_faces``), and
-``label`` (``original`` too with a metadata file). Stage 2: ``precache.loading.clips``.
+``label`` (``original`` too with a metadata file). Stage 2: ``precache.loading.datasets.video_clips``.
 
 Memory: a video is decoded, detected, tracked and cropped as a stream, so a worker holds
 ``detect_every`` + 3 full frames and the crops, however long the video. ``every``/``fps``

@@ -11,7 +11,7 @@ done once by stage 1 (``precache run volumes``).
 Items are VOLUMES (each on exactly one rank once per epoch). With ``--patch 0`` (default for
 volumes of at most 64^3) the whole volume is the input (``CachedDataset``); with ``--patch P``
 each volume gives ``--patches-per-volume`` random P^3 patches read from the mapped shard
-(``precache.loading.patches.PatchDataset``), each labelled with its volume's label. Batches are
+(``precache.loading.datasets.volume_patches.PatchDataset``), each labelled with its volume's label. Batches are
 augmented on the device, whole (``precache.augment.volume.VolumeAugment``: flips, 90-degree
 turns, intensity, gamma, optionally a small affine). A ``.npz`` cache trains on ``train`` and
 validates on ``val``; any other validates on every 10th volume. Validation scores whole volumes

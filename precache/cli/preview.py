@@ -12,7 +12,7 @@ import numpy as np
 
 from precache.cache import Cache
 from precache.faces.topology import REGIONS
-from precache.loading.dataset import CachedDataset
+from precache.loading.datasets.cached import CachedDataset
 
 __all__ = ["draw_face", "contact_sheet", "write_previews", "FACE_COLUMNS"]
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from precache.loading.device import DevicePrefetcher
+from precache.loading.loaders.device import DevicePrefetcher
 from precache.training.checkpoint import CheckpointRefused
 from precache.training.distributed import cleanup, init_distributed
 from precache.training.metrics_log import MetricLog

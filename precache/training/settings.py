@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from precache.loading.loader import WORKER_KINDS, check_worker_kind
+from precache.loading.loaders.cache_loader import WORKER_KINDS, check_worker_kind
 from precache.training.strategy import STRATEGIES
 
 __all__ = ["PRECISION_CHOICES", "Settings", "training_parser"]

@@ -48,8 +48,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import precache
 from precache.loading import CachedDataset
-from precache.loading.buckets import LengthBucketSampler
-from precache.loading.text_collate import TokenCollate
+from precache.loading.samplers.length_buckets import LengthBucketSampler
+from precache.loading.loaders.text_collate import TokenCollate
 from precache.processing.ops.text import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

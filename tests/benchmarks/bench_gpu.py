@@ -49,7 +49,7 @@ from bench_feed import build  # noqa: E402
 
 from precache.augment import FaceAugment  # noqa: E402
 from precache.loading import CachedDataset, as_nchw, decode_images, make_loader  # noqa: E402
-from precache.loading.device import to_device  # noqa: E402
+from precache.loading.loaders.device import to_device  # noqa: E402
 from precache.threads import pin_threads  # noqa: E402
 
 BATCH = 256

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import precache  # noqa: E402
 from precache.augment import FaceAugment  # noqa: E402
 from precache.cache.image_codec import encode_image  # noqa: E402
-from precache.loading.clips import ClipDataset  # noqa: E402
+from precache.loading.datasets.video_clips import ClipDataset  # noqa: E402
 from precache.processing.ops import Skip  # noqa: E402
 from precache.processing.ops.face_crop import CropFace  # noqa: E402
 from precache.processing.ops.face_detect import DetectFaces  # noqa: E402

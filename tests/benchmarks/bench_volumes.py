@@ -65,7 +65,7 @@ def _bytes(folder: Path) -> int:
 def bench_patches(tmp: Path, count: int = 6, size: int = 256, patch: int = 64,
                   reads: int = 24) -> dict:
     from precache.cli.bench.measure import drop_page_cache
-    from precache.loading.patches import PatchDataset, patch_corners
+    from precache.loading.datasets.volume_patches import PatchDataset, patch_corners
 
     rng = np.random.default_rng(0)
     stack = np.stack([np.clip(make_volumes.make_volume(i, size)[0] / 4, 0, 255).astype(np.uint8)

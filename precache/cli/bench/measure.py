@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from precache.cache import Cache
 from precache.cache.image_codec import decode_image
-from precache.loading.dataset import CachedDataset
-from precache.loading.loader import make_loader
+from precache.loading.datasets.cached import CachedDataset
+from precache.loading.loaders.cache_loader import make_loader
 from precache.threads import pin_threads
 
 __all__ = ["Rates", "CACHED_CUT", "cores", "default_worker_counts", "measure_cached",

@@ -16,7 +16,7 @@ from transformers import (BertConfig, BertForSequenceClassification, TrainerCall
                           TrainingArguments)
 
 from precache.loading import CachedDataset
-from precache.loading.hf import HFTokenCollate, PrecacheTrainer
+from precache.loading.interop.hf import HFTokenCollate, PrecacheTrainer
 
 
 class BatchesLogged(HFTokenCollate):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from precache.loading import CachedDataset, make_loader
-from precache.loading.lightning import CacheDataModule
+from precache.loading.interop.lightning import CacheDataModule
 
 BATCH = 4
 

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from precache.loading.buckets import LengthBucketSampler
+from precache.loading.samplers.length_buckets import LengthBucketSampler
 from tests.helpers.sampling import padded
 
 RNG = np.random.default_rng(5)

@@ -65,7 +65,7 @@ def check_item(item: dict, frames: int) -> None:
 
 
 def test_the_index_lists_videos_labels_and_classes(cache):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(cache, frames=2)
     assert len(ds) == 6 and ds.videos == KEYS
@@ -84,7 +84,7 @@ def test_the_index_lists_videos_labels_and_classes(cache):
 
 
 def test_a_clip_is_one_track_of_its_video_in_frame_order_spaced_by_stride(cache):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(cache, frames=4, stride=2)
     starts: dict[str, set[int]] = {k: set() for k in KEYS}
@@ -102,7 +102,7 @@ def test_a_clip_is_one_track_of_its_video_in_frame_order_spaced_by_stride(cache)
 
 
 def test_first_and_center_starts_are_deterministic(cache):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     first = ClipDataset(cache, frames=3, stride=3, start="first")
     center = ClipDataset(cache, frames=3, stride=3, start="center")
@@ -114,7 +114,7 @@ def test_first_and_center_starts_are_deterministic(cache):
 
 
 def test_a_short_track_repeats_its_last_frame_and_reports_valid(cache):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(cache, frames=5, start="first")
     item = ds[KEYS.index("real/v06.json")]  # longest track: 1, with 2 frames
@@ -126,7 +126,7 @@ def test_a_short_track_repeats_its_last_frame_and_reports_valid(cache):
 
 
 def test_random_tracks_visit_every_track(cache):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(cache, frames=2, track="random")
     seen = {ds[0]["track"] for _ in range(40)}
@@ -134,7 +134,7 @@ def test_random_tracks_visit_every_track(cache):
 
 
 def test_bad_arguments_and_a_cache_of_no_videos_are_refused(cache, tmp_path):
-    from precache.loading.clips import ClipDataset, VideoFrameDataset
+    from precache.loading.datasets.video_clips import ClipDataset, VideoFrameDataset
 
     for bad in (dict(frames=0), dict(stride=0), dict(start="middle"), dict(track="first")):
         with pytest.raises(ValueError):
@@ -153,7 +153,7 @@ def test_bad_arguments_and_a_cache_of_no_videos_are_refused(cache, tmp_path):
 
 def test_columns_and_transforms(cache):
     from precache.augment import FaceAugment
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(cache, frames=3, columns=["image", "key"])
     item = ds[0]
@@ -189,7 +189,7 @@ def test_columns_and_transforms(cache):
 
 
 def test_video_frames_are_k_distinct_rows_of_the_video_new_every_call(cache):
-    from precache.loading.clips import VideoFrameDataset
+    from precache.loading.datasets.video_clips import VideoFrameDataset
 
     ds = VideoFrameDataset(cache, frames_per_video=4)
     v01 = KEYS.index("fake/v01.json")
@@ -211,7 +211,7 @@ def test_video_frames_are_k_distinct_rows_of_the_video_new_every_call(cache):
 
 def test_every_video_gives_k_frames_per_epoch_however_long(cache):
     from precache.loading import make_loader
-    from precache.loading.clips import VideoFrameDataset, collate_clips
+    from precache.loading.datasets.video_clips import VideoFrameDataset, collate_clips
 
     loader = make_loader(VideoFrameDataset(cache, frames_per_video=3), batch_size=4,
                          num_workers=0, collate_fn=collate_clips)
@@ -227,7 +227,7 @@ def test_every_video_gives_k_frames_per_epoch_however_long(cache):
 
 def test_make_loader_with_two_workers_gives_every_video_once_per_epoch(cache):
     from precache.loading import make_loader
-    from precache.loading.clips import ClipDataset, collate_clips
+    from precache.loading.datasets.video_clips import ClipDataset, collate_clips
 
     for collate in (collate_clips, None):  # collate_clips, and make_loader's default
         loader = make_loader(ClipDataset(cache, frames=4), batch_size=4, num_workers=2, seed=3,
@@ -245,7 +245,7 @@ def test_make_loader_with_two_workers_gives_every_video_once_per_epoch(cache):
 
 def test_a_loader_resumes_mid_epoch_at_the_video_level(cache):
     from precache.loading import make_loader
-    from precache.loading.clips import ClipDataset, collate_clips
+    from precache.loading.datasets.video_clips import ClipDataset, collate_clips
 
     def loader():
         return make_loader(ClipDataset(cache, frames=2), batch_size=2, num_workers=2, seed=7,
@@ -271,7 +271,7 @@ def test_a_loader_resumes_mid_epoch_at_the_video_level(cache):
 
 
 def test_hdf5_caches_read_the_same(tmp_path):
-    from precache.loading.clips import ClipDataset
+    from precache.loading.datasets.video_clips import ClipDataset
 
     ds = ClipDataset(build(tmp_path, VIDEOS, format="hdf5"), frames=4, start="first")
     for i, item in enumerate(ds.__getitems__(range(6))):
@@ -283,7 +283,7 @@ def test_jpeg_frames_travel_as_bytes_and_decode_as_clips(tmp_path):
     """decode_images=False (what the trainers ask for on a GPU): each clip's frames are its
     rows' JPEG bytes, and decode_images turns a batch of clips into (B, T, H, W, 3)."""
     from precache.loading import decode_images, make_loader
-    from precache.loading.clips import ClipDataset, collate_clips
+    from precache.loading.datasets.video_clips import ClipDataset, collate_clips
 
     dataset = ClipDataset(build(tmp_path, VIDEOS, codec="jpeg"), frames=4, start="first",
                           decode_images=False)
@@ -311,7 +311,7 @@ def rank_main(cache: str, out: str) -> None:
     import torch.distributed as dist
 
     from precache.loading import make_loader
-    from precache.loading.clips import ClipDataset, collate_clips
+    from precache.loading.datasets.video_clips import ClipDataset, collate_clips
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -28,8 +28,8 @@ def rank_main(cache: str, out: str, stop_after: int, shard_window: int, state_pa
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from precache.loading.dataset import CachedDataset
-    from precache.loading.sampler import DistributedShardSampler
+    from precache.loading.datasets.cached import CachedDataset
+    from precache.loading.samplers.shard_sampler import DistributedShardSampler
 
     dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the parent
     rank = dist.get_rank()
@@ -65,8 +65,8 @@ def launch(world: int, cache: Path, out: Path, stop_after: int = 0, shard_window
 def expected_keys(cache: Path, world: int, shard_window: int = 0,
                   state: dict | None = None) -> list[list[str]]:
     """What each rank should see, from a sampler built here for every rank."""
-    from precache.loading.dataset import CachedDataset
-    from precache.loading.sampler import DistributedShardSampler
+    from precache.loading.datasets.cached import CachedDataset
+    from precache.loading.samplers.shard_sampler import DistributedShardSampler
 
     dataset = CachedDataset(cache, columns=["key"])
     keys = dataset.read_batch(range(len(dataset)))["key"]

@@ -1,4 +1,4 @@
-"""Hugging Face interop (precache.loading.hf): transformers' Trainer trains from a text cache
+"""Hugging Face interop (precache.loading.interop.hf): transformers' Trainer trains from a text cache
 through PrecacheTrainer on 1 process and on 2 torchrun processes, every sample exactly once per
 epoch across ranks, also after a mid-epoch resume; the real MiniLM trains through it; a cache
 becomes a datasets.Dataset; a saved datasets.Dataset is a stage-1 input like JSON Lines."""
@@ -23,7 +23,7 @@ datasets = pytest.importorskip("datasets")
 from precache.processing.sources import InputError  # noqa: E402
 from precache.cache import Cache  # noqa: E402
 from precache.loading import CachedDataset  # noqa: E402
-from precache.loading.hf import ExactOnceBucketSampler, HFTokenCollate, to_hf_dataset  # noqa: E402
+from precache.loading.interop.hf import ExactOnceBucketSampler, HFTokenCollate, to_hf_dataset  # noqa: E402
 from precache.processing.ops.text import resolve_tokenizer  # noqa: E402
 from tests.helpers import build_cache  # noqa: E402
 

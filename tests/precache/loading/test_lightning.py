@@ -74,7 +74,7 @@ def test_a_trainer_resumed_mid_epoch_trains_every_sample_once_that_epoch_and_the
 
 
 def test_shard_window_applies_to_the_training_rows_when_validation_is_held_out(tmp_path):
-    from precache.loading.lightning import CacheDataModule
+    from precache.loading.interop.lightning import CacheDataModule
 
     write_photos(tmp_path / "in", 40)
     build_cache(tmp_path / "in", tmp_path / "cache", pipeline="images", params={"size": 16},

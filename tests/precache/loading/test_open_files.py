@@ -21,7 +21,7 @@ EPOCHS = """
 import json, resource, sys, warnings
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from precache.loading import CachedDataset, make_loader
-from precache.loading.patches import PatchDataset
+from precache.loading.datasets.volume_patches import PatchDataset
 
 out = {}
 for cache in sys.argv[1:]:

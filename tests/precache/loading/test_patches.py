@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from precache.loading import CachedDataset, make_loader
-from precache.loading.patches import PatchDataset
+from precache.loading.datasets.volume_patches import PatchDataset
 from tests.helpers import make_volume_cache
 
 

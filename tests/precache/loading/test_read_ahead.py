@@ -15,8 +15,8 @@ import pytest
 
 import precache
 from precache.loading import CachedDataset, make_loader
-from precache.loading.loader import IndexBatch, ReadAheadBatches
-from precache.loading.sampler import DistributedShardSampler
+from precache.loading.loaders.cache_loader import IndexBatch, ReadAheadBatches
+from precache.loading.samplers.shard_sampler import DistributedShardSampler
 from tests.helpers import build_cache, write_photos
 
 
@@ -42,7 +42,7 @@ def test_each_batch_carries_the_batch_ahead_by_the_worker_count():
 def test_indices_are_asked_of_the_sampler_a_span_at_a_time(monkeypatch):
     """With spans shorter than an epoch (here 5 indices; 65,536 by default) the batches and
     their read-ahead are the same as from the whole epoch's indices."""
-    import precache.loading.loader as loader
+    import precache.loading.loaders.cache_loader as loader
 
     monkeypatch.setattr(loader, "_INDEX_SPAN", 5)
     for rank in range(2):

@@ -8,9 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import precache.loading.sampler as sampler_module
+import precache.loading.samplers.shard_sampler as sampler_module
 from precache.loading._engine.lazy_order import LazyOrder
-from precache.loading.sampler import DistributedShardSampler
+from precache.loading.samplers.shard_sampler import DistributedShardSampler
 
 SIZES = [0, 1, 2, 3, 5, 7, 10, 37, 64]
 
@@ -269,7 +269,7 @@ def test_large_epochs_come_out_whole_and_in_order(order_kind):
 
 
 def test_shuffle_quality_tells_a_full_shuffle_from_windows_and_sequential_reads():
-    from precache.loading.sampler import shuffle_quality
+    from precache.loading.samplers.shard_sampler import shuffle_quality
 
     shard_ids = np.repeat(np.arange(4), 8)  # 4 shards of 8 rows
 
@@ -307,7 +307,7 @@ def test_a_lazy_order_is_a_permutation_fixed_by_its_seed(n):
 
 def test_past_the_bound_an_epoch_computes_only_the_indices_it_hands_out(monkeypatch):
     """The first batch of a lazily ordered epoch asks for one span of positions, not all N."""
-    from precache.loading.loader import ReadAheadBatches
+    from precache.loading.loaders.cache_loader import ReadAheadBatches
 
     monkeypatch.setattr(sampler_module, "LAZY_ORDER_ROWS", 1000)
     asked = []
@@ -342,7 +342,7 @@ def test_a_state_saved_before_orders_were_recorded_resumes_in_numpys_order(monke
 
 
 def test_a_lazy_order_mixes_shards_as_well_as_numpys(monkeypatch):
-    from precache.loading.sampler import shuffle_quality
+    from precache.loading.samplers.shard_sampler import shuffle_quality
 
     shard_ids = np.repeat(np.arange(64), 256)  # 64 shards of 256 rows
     dataset = FakeShardedDataset(shard_ids)

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import Subset
 
 import precache
-from precache.loading import CachedDataset, decode_images, make_loader, threaded
+from precache.loading import CachedDataset, decode_images, make_loader
+from precache.loading.loaders import threaded
 from tests.helpers import build_cache, write_photos
 
 
@@ -94,7 +95,7 @@ def test_a_subset_is_read_with_the_loaders_hints_mapped_onto_the_cache(cache, mo
 def test_without_workers_the_loop_reads_each_batch_when_it_asks_as_a_dataloader_would(cache):
     from torch.utils.data import DataLoader
 
-    from precache.loading.loader import collate_samples
+    from precache.loading.loaders.cache_loader import collate_samples
 
     dataset = CachedDataset(cache, columns=COLUMNS)
     loader = make_loader(dataset, 4, num_workers=0, seed=3)
@@ -272,7 +273,7 @@ def test_the_gpu_decoders_batch_keeps_row_order_with_webp_rows_among_jpeg_ones(c
     import cv2
 
     from precache.cache.image_codec import decode_image
-    from precache.loading.image_decode import _on_gpu
+    from precache.loading.loaders.image_decode import _on_gpu
 
     dataset = CachedDataset(cache, columns=["image"], decode_images=False)
     rows = list(dataset.read_batch(list(range(6)))["image"])

@@ -35,7 +35,7 @@ import pytest
 from torch.utils.data import Dataset
 
 from precache.loading import CachedDataset, make_loader
-from precache.loading.dataset import collate_samples
+from precache.loading.datasets.batches import collate_samples
 from tests.helpers import build_cache
 
 PIPELINE = str(Path(__file__).with_name("synthetic_pipeline.py"))

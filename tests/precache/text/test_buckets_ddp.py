@@ -32,8 +32,8 @@ def rank_main(cache: str, out: str, stop_after: int, state_path: str) -> None:
     from torch.utils.data import DataLoader
 
     from precache.loading import CachedDataset
-    from precache.loading.buckets import LengthBucketSampler
-    from precache.loading.text_collate import TokenCollate
+    from precache.loading.samplers.length_buckets import LengthBucketSampler
+    from precache.loading.loaders.text_collate import TokenCollate
 
     dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the parent
     rank = dist.get_rank()
@@ -87,7 +87,7 @@ def keys(cache) -> list[str]:
 def expected_keys(cache: Path, keys: list[str], world: int,
                   state: dict | None = None) -> list[list[str]]:
     """What each rank should see, from a sampler built here for every rank."""
-    from precache.loading.buckets import LengthBucketSampler
+    from precache.loading.samplers.length_buckets import LengthBucketSampler
 
     lengths = precache.Cache(cache).read_all(["length"])["length"]
     out = []

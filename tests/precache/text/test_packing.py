@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import precache
-from precache.loading.packing import PackedBlocks
+from precache.loading.datasets.text_blocks import PackedBlocks
 from tests.helpers import build_cache
 
 pytest.importorskip("tokenizers")

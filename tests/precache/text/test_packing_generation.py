@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import precache
-import precache.loading.packing as packing
-from precache.loading.dataset import CachedDataset
+import precache.loading.datasets.text_blocks as packing
+from precache.loading.datasets.cached import CachedDataset
 from tests.helpers import build_cache
 
 pytest.importorskip("tokenizers")

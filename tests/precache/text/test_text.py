@@ -13,7 +13,7 @@ import torch
 import precache
 from precache.processing import RunSummary
 from precache.loading import CachedDataset, make_loader
-from precache.loading.text_collate import TokenCollate
+from precache.loading.loaders.text_collate import TokenCollate
 from precache.processing.ops.text import resolve_tokenizer
 
 pytest.importorskip("tokenizers")

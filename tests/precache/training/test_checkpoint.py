@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from precache.loading import make_loader
-from precache.loading.buckets import LengthBucketSampler
+from precache.loading.samplers.length_buckets import LengthBucketSampler
 from precache.training import OneCycleSchedule, optimizer_step
 from precache.training.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 

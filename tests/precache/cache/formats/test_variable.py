@@ -292,7 +292,7 @@ def test_ragged_rows_cross_to_the_training_process_as_one_array(ragged_cache):
     import pickle
 
     from precache.loading import make_loader
-    from precache.loading.dataset import RaggedRows
+    from precache.loading.datasets.batches import RaggedRows
 
     everything = precache.Cache(ragged_cache).read_all(["key", "ids"])
     truth = dict(zip(everything["key"], everything["ids"]))

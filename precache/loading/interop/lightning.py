@@ -20,8 +20,8 @@ import lightning as L
 import numpy as np
 from torch.utils.data import Subset
 
-from precache.loading.dataset import CachedDataset
-from precache.loading.loader import CacheLoader, make_loader
+from precache.loading.datasets.cached import CachedDataset
+from precache.loading.loaders.cache_loader import CacheLoader, make_loader
 
 __all__ = ["CacheDataModule"]
 

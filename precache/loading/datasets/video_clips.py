@@ -25,7 +25,7 @@ Use::
 
     from precache.augment import FaceAugment
     from precache.loading import make_loader
-    from precache.loading.clips import ClipDataset, collate_clips
+    from precache.loading.datasets.video_clips import ClipDataset, collate_clips
 
     clips = ClipDataset("cache/", frames=8, stride=2, transform=FaceAugment())
     loader = make_loader(clips, batch_size=4, collate_fn=collate_clips)
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from precache.loading.video_index import VideoIndex, label_targets, open_video_cache
+from precache.loading.datasets.video_index import VideoIndex, label_targets, open_video_cache
 
 __all__ = ["ClipDataset", "VideoFrameDataset", "collate_clips"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from precache.loading.dataset import CachedBatch
+from precache.loading.datasets.batches import CachedBatch
 
 __all__ = ["TokenCollate", "pad_sequences"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from precache.loading.dataset import CachedDataset
+from precache.loading.datasets.cached import CachedDataset
 
 __all__ = ["PackedBlocks"]
 

@@ -20,7 +20,7 @@ workers and ranks differ, runs repeat, and every epoch draws new patches.
 Use::
 
     from precache.loading import make_loader
-    from precache.loading.patches import PatchDataset
+    from precache.loading.datasets.volume_patches import PatchDataset
 
     patches = PatchDataset("cache/", patch=64, per_volume=4)
     loader = make_loader(patches, batch_size=2)
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from precache.cache import Cache
-from precache.loading.dataset import CachedDataset
+from precache.loading.datasets.cached import CachedDataset
 from precache.loading._engine.open_shards import OpenShards, fds_per_reader
 
 __all__ = ["PatchDataset", "patch_corners"]

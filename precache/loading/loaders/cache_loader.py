@@ -41,11 +41,12 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-from precache.loading.cache_backed import CacheBacked
-from precache.loading.dataset import CachedDataset, collate_samples
-from precache.loading.sampler import DistributedShardSampler
-from precache.loading.text_collate import TokenCollate
-from precache.loading.threaded import ThreadedBatches
+from precache.loading.datasets.cache_backed import CacheBacked
+from precache.loading.datasets.batches import collate_samples
+from precache.loading.datasets.cached import CachedDataset
+from precache.loading.samplers.shard_sampler import DistributedShardSampler
+from precache.loading.loaders.text_collate import TokenCollate
+from precache.loading.loaders.threaded import ThreadedBatches
 from precache.threads import guard_opencv_forks, pin_threads
 
 __all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches",

@@ -38,14 +38,14 @@ from torch.utils.data import DataLoader
 
 from precache.cache import Cache
 from precache.cache.schema import ColumnSpec
-from precache.loading.buckets import LengthBucketSampler
-from precache.loading.dataset import CachedDataset
-from precache.loading.text_collate import TokenCollate
+from precache.loading.samplers.length_buckets import LengthBucketSampler
+from precache.loading.datasets.cached import CachedDataset
+from precache.loading.loaders.text_collate import TokenCollate
 
 try:
     from transformers import Trainer
 except ImportError as e:  # pragma: no cover - the hf extra is missing
-    raise ImportError("precache.loading.hf needs Hugging Face transformers: "
+    raise ImportError("precache.loading.interop.hf needs Hugging Face transformers: "
                       "pip install 'precache[hf]'") from e
 
 __all__ = ["HFTokenCollate", "ExactOnceBucketSampler", "PrecacheTrainer", "cache_lengths",

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from precache.cache.image_codec import encoded_columns
-from precache.loading.dataset import CachedDataset
+from precache.loading.datasets.cached import CachedDataset
 
 __all__ = ["INDEX_COLUMNS", "VideoIndex", "VideoCache", "open_video_cache", "label_targets"]
 
