@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from precache.loading.datasets.cache_backed import CacheBackedByRows
 from precache.loading.datasets.cached import CachedDataset
 
 __all__ = ["PackedBlocks"]
 
 
-class PackedBlocks:
+class PackedBlocks(CacheBackedByRows):
     """Map-style dataset of ``{"input_ids": int64 tensor (block_size,)}`` cut from a token cache.
 
     Args:
@@ -35,7 +36,10 @@ class PackedBlocks:
             generation, held while the blocks are open, even if stage 1 publishes another.
 
     Blocks are numbered in stream order; shuffle them with any sampler (``DistributedSampler``
-    gives each rank its share).
+    gives each rank its share). ``CacheBacked`` is declared through ``rows``, the dataset of
+    the token ids (token ids are never images: ``encoded_columns`` is empty), with
+    ``shard_ids`` per block; ``close()`` lets go of the generation (dropping the blocks does
+    too).
     """
 
     def __init__(self, cache: str | os.PathLike[str], block_size: int, *,
@@ -44,11 +48,11 @@ class PackedBlocks:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {block_size}")
         self.block_size, self.sep_id = int(block_size), sep_id
-        self._ids = CachedDataset(cache, columns=[column], generation=generation)
+        self.rows = CachedDataset(cache, columns=[column], generation=generation)
         self.column = column
         # the lengths of the generation the ids come from (a re-run may have published another
         # since: its lengths would cut blocks of another stream)
-        lengths = CachedDataset(cache, columns=["length"], generation=self._ids.generation)
+        lengths = CachedDataset(cache, columns=["length"], generation=self.rows.generation)
         try:
             per_doc = lengths.read_column("length").astype(np.int64) + (sep_id is not None)
         finally:
@@ -60,23 +64,12 @@ class PackedBlocks:
         return self.tokens // self.block_size
 
     @property
-    def generation(self) -> int:
-        """The generation of the cache the blocks are cut from."""
-        return self._ids.generation
-
-    @property
-    def path(self) -> Any:
-        """The cache the blocks are cut from."""
-        return self._ids.path
-
-    def kept_generations(self) -> list[int]:
-        """The generations of the cache whose files are kept now (a loader's refusal of a
-        state saved on another generation says whether that one can still be read)."""
-        return self._ids.kept_generations()
-
-    def close(self) -> None:
-        """Let go of the generation and close the shard files (dropping the blocks does too)."""
-        self._ids.close()
+    def shard_ids(self) -> np.ndarray:
+        """The shard of each block's first document (one entry per block), for
+        ``make_loader(shard_window=...)``; a block may run on into the next shard."""
+        offsets = np.arange(len(self), dtype=np.int64) * self.block_size
+        first_docs = np.searchsorted(self._starts, offsets, side="right") - 1
+        return self.rows.shard_ids[first_docs]
 
     def block(self, index: int) -> np.ndarray:
         """Tokens ``[index * block_size, (index + 1) * block_size)`` of the stream, as int64."""
@@ -86,7 +79,7 @@ class PackedBlocks:
         start, stop = index * self.block_size, (index + 1) * self.block_size
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         last = int(np.searchsorted(self._starts, stop, side="left"))  # one past the last doc
-        docs = self._ids.read_batch(np.arange(first, last))[self.column]
+        docs = self.rows.read_batch(np.arange(first, last))[self.column]
         if self.sep_id is not None:
             sep = np.array([self.sep_id], dtype=np.int64)
             docs = [part for doc in docs for part in (doc, sep)]

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from precache.loading.datasets.cache_backed import CacheBackedByRows
 from precache.loading.datasets.video_index import VideoIndex, label_targets, open_video_cache
 
 __all__ = ["ClipDataset", "VideoFrameDataset", "collate_clips"]
@@ -89,22 +90,22 @@ def collate_clips(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
-class _VideoDataset:
-    """What both video datasets share: the index, the inner row dataset, the random stream,
-    the batched read and the output layout."""
+class _VideoDataset(CacheBackedByRows):
+    """What both video datasets share: the index, the inner dataset of the cache's rows
+    (``rows``: ``CacheBacked`` is declared through it, with ``shard_ids`` per video), the
+    random stream, the batched read and the output layout."""
 
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None,
                  transform: Callable[[Sample], Sample] | None, classes: Sequence[str] | None,
                  seed: int, dataset_options: dict[str, Any]) -> None:
-        self.path = os.fspath(cache)
         self.transform = transform
         self.seed = int(seed)
         opened = open_video_cache(cache, columns, dataset_options, type(self).__name__)
-        self._index, self._rows, self.has_label = opened.index, opened.rows, opened.has_label
+        self._index, self.rows, self.has_label = opened.index, opened.rows, opened.has_label
         try:
             self._classes, self._targets = label_targets(self._index.labels, classes, self.path)
         except BaseException:
-            self._rows.close()
+            self.rows.close()
             raise
         self._generator: np.random.Generator | None = None
         self._generator_pid = 0
@@ -140,34 +141,11 @@ class _VideoDataset:
         return self._index
 
     @property
-    def generation(self) -> int:
-        """The cache generation read (``CacheLoader`` records it with a resumable state)."""
-        return self._rows.generation
-
-    def kept_generations(self) -> list[int]:
-        """The generations of the cache whose files are kept now."""
-        return self._rows.kept_generations()
-
-    @property
     def shard_ids(self) -> np.ndarray:
-        """The shard of each video's first row, for ``make_loader(shard_window=...)``."""
+        """The shard of each video's first row (one entry per video, not per row), for
+        ``make_loader(shard_window=...)``."""
         first_rows = self._index.rows[self._index.group_start[self._index.video_group_start[:-1]]]
-        return self._rows.shard_ids[first_rows]
-
-    @property
-    def decode_images(self) -> bool:
-        """Whether JPEG/WebP frames are decoded by the reader (``decode_images=`` of the
-        ``CachedDataset`` options), or handed out as their bytes."""
-        return self._rows.decode_images
-
-    @property
-    def encoded_columns(self) -> Any:
-        """The frame columns stored encoded (stage 1's ``image_codec``)."""
-        return self._rows.encoded_columns
-
-    def close(self) -> None:
-        """Close the cache's shard files and let go of its generation."""
-        self._rows.close()
+        return self.rows.shard_ids[first_rows]
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -203,7 +181,7 @@ class _VideoDataset:
             return []
         wanted = np.concatenate([rows for rows, _, _ in plans])
         unique, inverse = np.unique(wanted, return_inverse=True)
-        batch = self._rows.read_batch(unique)  # one read for the whole batch, rows ascending
+        batch = self.rows.read_batch(unique)  # one read for the whole batch, rows ascending
         inverse = inverse.reshape(-1)
         out, start = [], 0
         for video, (rows, track, valid) in zip(videos, plans):

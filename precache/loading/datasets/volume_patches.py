@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from precache.cache import Cache
+from precache.loading.datasets.cache_backed import CacheBackedByRows
 from precache.loading.datasets.cached import CachedDataset
 from precache.loading._engine.open_shards import OpenShards, fds_per_reader
 
@@ -58,7 +59,7 @@ def patch_corners(shape: Sequence[int], patch: Sequence[int], count: int,
     return rng.integers(0, high, size=(count, len(high)))
 
 
-class PatchDataset:
+class PatchDataset(CacheBackedByRows):
     """Random patches of the volumes of a ``volumes`` cache; see the module docstring.
 
     Args:
@@ -74,6 +75,10 @@ class PatchDataset:
     Shards are opened as items need them, in the process that reads, and no more at once than
     the process's open-file limit allows (``open_shards``): the least recently used are closed.
 
+    ``CacheBacked`` is declared through ``rows``, the dataset of the volumes' keys that holds
+    the generation: an item is one row, so ``shard_ids`` is the shard of each volume; volumes
+    are never JPEG/WebP, so ``encoded_columns`` is empty.
+
     Raises:
         ValueError: the column is not 3D, or the patch does not fit in it.
         KeyError: the cache has no such column.
@@ -83,9 +88,7 @@ class PatchDataset:
                  per_volume: int = 4, column: str = "volume",
                  classes: Sequence[str] | None = None, seed: int = 0,
                  generation: int | None = None) -> None:
-        self.path = os.fspath(cache)
-        self._rows = CachedDataset(cache, columns=["key"], generation=generation)
-        self.generation = self._rows.generation
+        self.rows = CachedDataset(cache, columns=["key"], generation=generation)
         opened = Cache(self.path, generation=self.generation)
         manifest = opened.manifest
         opened.close()
@@ -107,8 +110,8 @@ class PatchDataset:
         rows_of = [np.asarray(info.live_indices(), dtype=np.int64) for info in manifest.shards]
         self._shard = np.concatenate([np.full(len(r), s, np.int32) for s, r in enumerate(rows_of)])
         self._row = np.concatenate(rows_of)
-        self.keys = np.array(self._rows.read_column("key"), dtype=str)
-        self._rows.close_files()  # it holds the generation; volumes are read through _volumes
+        self.keys = np.array(self.rows.read_column("key"), dtype=str)
+        self.rows.close_files()  # it holds the generation; volumes are read through _volumes
         self.labels: np.ndarray | None = None
         self.classes: list[str] = []
         if "label" in manifest.schema:
@@ -189,4 +192,4 @@ class PatchDataset:
         if self._readers is not None and self._pid == os.getpid():
             self._readers.close()
         self._readers = None
-        self._rows.close()
+        super().close()

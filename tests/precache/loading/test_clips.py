@@ -79,8 +79,34 @@ def test_the_index_lists_videos_labels_and_classes(cache):
     index = ds.index  # rows of each (video, track) in frame order
     for group in range(len(index.group_track)):
         rows = index.group_rows(group)
-        frames = ds._rows.read_batch(rows)["frame_index"]
+        frames = ds.rows.read_batch(rows)["frame_index"]
         assert list(frames) == list(range(len(rows)))
+
+
+def test_both_datasets_declare_cache_backed_through_their_rows_with_shard_ids_per_video(cache):
+    """The members are the inner CachedDataset's (``rows``), except ``shard_ids``: one per
+    video (the shard of its first row), so ``shard_window`` samples videos."""
+    from precache.loading import CacheBacked, make_loader
+    from precache.loading.datasets.video_clips import ClipDataset, VideoFrameDataset, collate_clips
+
+    shards = {}  # video -> the shards of its rows
+    frames = precache.CachedDataset(cache, columns=["video"])
+    for video, shard in zip(frames.read_column("video"), frames.shard_ids):
+        shards.setdefault(str(video), set()).add(int(shard))
+    assert all(len(s) == 1 for s in shards.values())  # (the fixture's layout)
+    for ds in (ClipDataset(cache, frames=2), VideoFrameDataset(cache, frames_per_video=2)):
+        assert isinstance(ds, CacheBacked) and isinstance(ds.rows, precache.CachedDataset)
+        assert ds.path == ds.rows.path == str(cache)
+        assert ds.generation == ds.rows.generation == frames.generation
+        assert ds.kept_generations() == frames.kept_generations()
+        assert ds.shard_ids.tolist() == [min(shards[video]) for video in KEYS]
+        assert ds.encoded_columns == [] and ds.decode_images is True  # raw frames
+        loader = make_loader(ds, batch_size=2, num_workers=0, shard_window=1,
+                             collate_fn=collate_clips)
+        loader.set_epoch(0)
+        assert sorted(v for batch in loader for v in batch["video"]) == KEYS
+        ds.close()
+    frames.close()
 
 
 def test_a_clip_is_one_track_of_its_video_in_frame_order_spaced_by_stride(cache):

@@ -224,6 +224,29 @@ def test_a_batch_sampler_that_cannot_resume_or_comes_with_a_batch_size_is_refuse
         == "threads"
 
 
+def test_cache_backed_declares_shard_ids_encoded_columns_and_decoding(dataset):
+    """What the loaders and the loop ask is declared: a dataset with only path, generation,
+    kept_generations and close is not CacheBacked; a CachedDataset is, and answers them."""
+    import numpy as np
+
+    from precache.loading import CacheBacked
+
+    class OnlyGenerations:
+        path, generation = "cache/", 1
+
+        def kept_generations(self) -> list[int]:
+            return [1]
+
+        def close(self) -> None:
+            pass
+
+    assert not isinstance(OnlyGenerations(), CacheBacked)
+    assert isinstance(dataset, CacheBacked)
+    assert dataset.shard_ids.shape == (30,) and np.array_equal(
+        dataset.shard_ids, np.repeat(np.arange(4), [8, 8, 8, 6]))  # 8-row shards
+    assert dataset.encoded_columns == [] and dataset.decode_images is True  # raw images
+
+
 def test_the_loader_finds_the_cache_backed_dataset_under_subsets_by_its_declared_protocol(
         dataset):
     from torch.utils.data import Subset

@@ -65,3 +65,26 @@ def test_a_patch_that_does_not_fit_or_a_column_that_is_not_3d_is_refused(cache: 
         PatchDataset(cache, patch=21)
     with pytest.raises(ValueError, match="patches need a 3D volume column"):
         PatchDataset(cache, column="affine")
+
+
+def test_patches_declare_cache_backed_and_a_loader_state_records_their_generation(cache: Path):
+    """An item is one volume (one row): ``shard_ids`` is its shard; nothing is JPEG/WebP. As a
+    ``CacheBacked`` dataset, a loader's state records the generation it reads (it did not: no
+    ``kept_generations``), so a state of another generation is refused."""
+    from precache.loading import CacheBacked
+
+    patches = PatchDataset(cache, patch=4, per_volume=1)
+    volumes = CachedDataset(cache, columns=["key"])
+    assert isinstance(patches, CacheBacked)
+    assert patches.path == str(cache) and patches.generation == volumes.generation
+    assert patches.kept_generations() == volumes.kept_generations()
+    assert np.array_equal(patches.shard_ids, volumes.shard_ids) and len(patches.shard_ids) == 12
+    assert patches.encoded_columns == []
+    loader = make_loader(patches, batch_size=4, num_workers=0)
+    loader.set_epoch(0)
+    state = loader.state_dict()
+    assert state["generation"] == volumes.generation
+    with pytest.raises(ValueError, match=f"saved reading generation {volumes.generation + 1} of "):
+        loader.load_state_dict({**state, "generation": volumes.generation + 1})
+    patches.close()
+    volumes.close()

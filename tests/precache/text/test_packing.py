@@ -67,3 +67,27 @@ def test_blocks_load_in_worker_processes(token_cache):
 def test_bad_block_size_is_an_error(token_cache):
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         PackedBlocks(token_cache[0], 0)
+
+
+def test_blocks_declare_cache_backed_with_the_shard_of_each_blocks_first_document(token_cache):
+    """``shard_ids`` has one entry per block (the shard of the document it starts in), so
+    ``make_loader(shard_window=...)`` samples blocks; token ids are never images."""
+    from precache.loading import CacheBacked, CachedDataset, make_loader
+
+    cache, docs = token_cache
+    blocks = PackedBlocks(cache, 16)
+    ids = CachedDataset(cache, columns=["ids"])
+    assert isinstance(blocks, CacheBacked) and blocks.rows.path == blocks.path == str(cache)
+    assert blocks.generation == ids.generation
+    doc_of_token = np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+    expected = ids.shard_ids[doc_of_token[np.arange(len(blocks)) * 16]]
+    assert len(set(expected.tolist())) > 1  # blocks start in several of the 8-document shards
+    assert np.array_equal(blocks.shard_ids, expected)
+    assert blocks.encoded_columns == [] and blocks.decode_images is True
+    loader = make_loader(blocks, batch_size=4, num_workers=0, shard_window=2)
+    loader.set_epoch(0)
+    seen = torch.cat([batch["input_ids"] for batch in loader])
+    assert sorted(map(tuple, seen.tolist())) == sorted(
+        tuple(blocks[i]["input_ids"].tolist()) for i in range(len(blocks)))
+    blocks.close()
+    ids.close()
