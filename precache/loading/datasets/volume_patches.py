@@ -118,7 +118,8 @@ class PatchDataset(CacheBackedByRows):
             labels = CachedDataset(cache, columns=["label"], generation=self.generation)
             self.labels = np.array(labels.read_column("label"), dtype=str)
             labels.close()
-            self.classes = list(classes) if classes is not None else sorted(set(self.labels.tolist()))
+            self.classes = (list(classes) if classes is not None else
+                            sorted(set(self.labels.tolist())))
             missing = set(self.labels) - set(self.classes)
             if missing:
                 raise ValueError(f"labels {sorted(missing)} are not among classes {self.classes}")

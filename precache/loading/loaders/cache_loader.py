@@ -35,7 +35,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -354,7 +354,7 @@ class CacheLoader:
         self.sampler.load_state_dict(state)
         self._started = None
 
-    def cached_dataset(self) -> Any:
+    def cached_dataset(self) -> CacheBacked | None:
         """The dataset over a cache under the loader's dataset, through ``Subset``s (a
         ``CacheBacked`` one: a ``CachedDataset``, ``ClipDataset``, ``PackedBlocks``...), or
         None."""
@@ -373,24 +373,13 @@ def check_worker_kind(worker_kind: str) -> None:
 
 
 def make_loader(
-    dataset: Any,
-    batch_size: int | None = None,
-    shuffle: bool = True,
-    num_workers: int | None = None,
-    *,
-    seed: int = 0,
-    drop_last: bool = False,
-    shard_window: int | None = None,
-    pin_memory: bool | None = None,
-    persistent_workers: bool | None = None,
-    prefetch_factor: int | None = None,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    read_ahead: bool = True,
-    multiprocessing_context: Any = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    worker_kind: str = "auto",
-    batch_transform: Callable[[Any], Any] | None = None,
+    dataset: Any, batch_size: int | None = None, shuffle: bool = True,
+    num_workers: int | None = None, *, seed: int = 0, drop_last: bool = False,
+    shard_window: int | None = None, pin_memory: bool | None = None,
+    persistent_workers: bool | None = None, prefetch_factor: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None, read_ahead: bool = True,
+    multiprocessing_context: Any = None, rank: int | None = None, world_size: int | None = None,
+    worker_kind: str = "auto", batch_transform: Callable[[Any], Any] | None = None,
     batch_sampler: Any = None,
 ) -> CacheLoader:
     """A ``CacheLoader`` over ``dataset`` (usually a ``CachedDataset``).
@@ -417,13 +406,11 @@ def make_loader(
         multiprocessing_context: worker start method (default torch's: fork on Linux).
         rank, world_size: default from ``torch.distributed`` when initialised, else 0 and 1.
         worker_kind: what the ``num_workers`` workers are: ``"threads"`` of this process
-            (``ThreadedBatches``: no copy through shared memory, the batch is handed over as
-            is), ``"processes"`` (DataLoader worker processes), or ``"auto"``: threads when
-            the dataset is a ``CachedDataset`` (or a ``Subset`` of one) without a per-sample
-            ``transform`` and no ``collate_fn`` other than a ``TokenCollate`` is given (the
-            cache's gather, image decoding, batched augmentation and the padding of a batch of
-            token ids release the GIL), else processes (per-sample Python work holds the
-            GIL). ``CacheLoader.worker_kind`` and ``describe()`` say which.
+            (``ThreadedBatches``: the batch is handed over as is), ``"processes"`` (DataLoader
+            worker processes), or ``"auto"``: threads for a ``CachedDataset`` (or a ``Subset``
+            of one) without a per-sample ``transform`` and no ``collate_fn`` but a
+            ``TokenCollate`` (their work releases the GIL), else processes (per-sample Python
+            holds it). ``CacheLoader.worker_kind`` and ``describe()`` say which.
         batch_transform: applied to each collated batch by the worker that read it (a thread
             or a process), e.g. a batched ``FaceAugment``; with threads it is called from
             several threads at once.
@@ -443,43 +430,93 @@ def make_loader(
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
     check_worker_kind(worker_kind)
-    sampler: DistributedShardSampler | BatchSamplerPosition
     if batch_sampler is None:
-        if batch_size is None or batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed,
-                                          drop_last=drop_last, shard_window=shard_window,
-                                          rank=rank, world_size=world_size)
-        batches: Any = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
-                        BatchSampler(sampler, batch_size, drop_last=False))
-        worker_rank = sampler.rank
+        plan = _shard_sampler_batches(dataset, batch_size, workers, read_ahead, shuffle=shuffle,
+                                      seed=seed, drop_last=drop_last, shard_window=shard_window,
+                                      rank=rank, world_size=world_size)
     else:
         given = {"batch_size": batch_size is not None, "shuffle=False": not shuffle,
                  "drop_last": drop_last, "shard_window": shard_window is not None,
                  "rank": rank is not None, "world_size": world_size is not None}
-        _check_batch_sampler(batch_sampler, [name for name, set_ in given.items() if set_])
-        sampler = BatchSamplerPosition(batch_sampler)
-        batch_size = sampler.batch_size
-        batches = _SampledBatches(batch_sampler, workers if read_ahead else 0)
-        worker_rank = int(getattr(batch_sampler, "rank", 0))  # workers' seeds differ by rank
+        plan = _batch_sampler_batches(batch_sampler, workers, read_ahead,
+                                      [name for name, set_ in given.items() if set_])
+    pin = _pin(pin_memory)
+    kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
+    collate = collate_fn or collate_samples
+    reader: DataLoader | ThreadedBatches
+    if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
+        reader = ThreadedBatches(dataset, plan.batches, collate, workers, prefetch_factor or 2,
+                                 pin, batch_transform)
+    else:
+        reader = _worker_processes(dataset, plan.batches, workers, _then(collate, batch_transform),
+                                   pin, seed * 1_000_003 + plan.rank, persistent_workers,
+                                   prefetch_factor, multiprocessing_context)
+    return CacheLoader(reader, plan.sampler, plan.batch_size, worker_kind=(kind, workers, reason))
+
+
+class _Batches(NamedTuple):
+    """Where a loader's batches of indices come from (``make_loader``'s first choice)."""
+
+    sampler: DistributedShardSampler | BatchSamplerPosition
+    """What ``CacheLoader`` counts, resumes and advances epochs with."""
+    batches: Sampler[list[int]]
+    """The batches of indices the workers read (``IndexBatch``es with read-ahead)."""
+    batch_size: int
+    rank: int
+    """This rank: the worker processes' seeds differ by it."""
+
+
+def _shard_sampler_batches(dataset: Any, batch_size: int | None, workers: int, read_ahead: bool,
+                           *, shuffle: bool, seed: int, drop_last: bool,
+                           shard_window: int | None, rank: int | None,
+                           world_size: int | None) -> _Batches:
+    """Batches of ``batch_size`` of a ``DistributedShardSampler``'s indices (the keywords are
+    its arguments), each with the indices of the same worker's next batch when ``read_ahead``."""
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    sampler = DistributedShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                      shard_window=shard_window, rank=rank, world_size=world_size)
+    batches = (ReadAheadBatches(sampler, batch_size, workers) if read_ahead else
+               BatchSampler(sampler, batch_size, drop_last=False))
+    return _Batches(sampler, batches, batch_size, sampler.rank)
+
+
+def _batch_sampler_batches(batch_sampler: Any, workers: int, read_ahead: bool,
+                           also_given: list[str]) -> _Batches:
+    """The batches of a resumable ``batch_sampler``, with read-ahead as ``ReadAheadBatches``;
+    refused in one line if it is not resumable or ``also_given`` names what it decides."""
+    _check_batch_sampler(batch_sampler, also_given)
+    position = BatchSamplerPosition(batch_sampler)
+    batches = _SampledBatches(batch_sampler, workers if read_ahead else 0)
+    return _Batches(position, batches, position.batch_size,
+                    int(getattr(batch_sampler, "rank", 0)))
+
+
+def _pin(pin_memory: bool | None) -> bool:
+    """Whether batches are pinned: ``pin_memory``, by default when CUDA is available. ``True``
+    without CUDA warns and does not pin (``tensor.pin_memory()`` raises without it)."""
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-    if pin and not torch.cuda.is_available():  # tensor.pin_memory() raises without CUDA
+    if pin and not torch.cuda.is_available():
         warnings.warn("make_loader: pin_memory=True, but CUDA is not available: batches are "
                       "not pinned (pinned memory needs CUDA; leave pin_memory at its default)",
-                      stacklevel=2)
-        pin = False
-    kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
-    if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
-        threaded = ThreadedBatches(dataset, batches, collate_fn or collate_samples, workers,
-                                   prefetch_factor or 2, pin, batch_transform)
-        return CacheLoader(threaded, sampler, batch_size, worker_kind=(kind, workers, reason))
-    generator = torch.Generator()  # worker processes: their seeds
-    generator.manual_seed(seed * 1_000_003 + worker_rank)
-    loader = DataLoader(
+                      stacklevel=3)  # make_loader's caller
+        return False
+    return pin
+
+
+def _worker_processes(dataset: Any, batches: Sampler[list[int]], workers: int,
+                      collate: Callable[[Any], Any], pin: bool, seed: int,
+                      persistent_workers: bool | None, prefetch_factor: int | None,
+                      multiprocessing_context: Any) -> DataLoader:
+    """A DataLoader whose ``workers`` processes read ``batches``, each pinned to one thread,
+    their random streams seeded from ``seed``."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(
         dataset,
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=_then(collate_fn or collate_samples, batch_transform),
+        collate_fn=collate,
         pin_memory=pin,
         generator=generator,
         persistent_workers=True if persistent_workers is None else persistent_workers,
@@ -487,7 +524,6 @@ def make_loader(
         worker_init_fn=_pin_worker_threads,
         multiprocessing_context=multiprocessing_context,
     )  # no drop_last: the sampler already gives every rank the same count
-    return CacheLoader(loader, sampler, batch_size, worker_kind=(kind, workers, reason))
 
 
 def _check_batch_sampler(batch_sampler: Any, also_given: list[str]) -> None:
