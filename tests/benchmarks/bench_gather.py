@@ -2,6 +2,7 @@
 
     python tests/benchmarks/bench_gather.py                 # 12,000 rows, ~1-2 minutes on 2 cores
     python tests/benchmarks/bench_gather.py --rows 48000 --rounds 5
+    python tests/benchmarks/bench_gather.py --ranks 2      # 2 ranks on this node
 
 The ``faces`` pipeline's shape (issue 37): raw 128 px crops (``image``, 49,152 bytes a row),
 5 landmarks (``landmarks``, 40 bytes a row) and ``label`` (8 bytes) of ``synthetic_faces.py``,
@@ -17,6 +18,15 @@ rounds is printed:
 - ``label`` alone and ``landmarks`` alone, ``read_batch`` and ``make_loader(num_workers=0)``,
   against the limit of that column alone.
 
+``--ranks R`` (R > 1) runs each ``make_loader`` setting and its limit as R forked processes
+(ranks) on this node, each reading its share of every shuffled epoch: ``make_loader(...,
+rank=r, world_size=R)``, and for the limit ``np.take`` of rank r's share (``order[r::R]``) of
+the same-seed permutation. The ranks open their loaders, read one untimed epoch, then start
+together (a barrier) and each times the same number of whole epochs (rank 0's choice, about
+``--seconds``); the rate is all ranks' rows over the slowest rank's seconds, and the ratio is
+to the limit with the same R in the same round. ``read_batch`` and ``landmarks`` are not run
+then.
+
 Everything it wrote is deleted at the end unless ``--keep``.
 """
 
@@ -24,12 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing
 import shutil
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,13 +81,15 @@ def export(cache: Path, folder: Path) -> dict[str, np.ndarray]:
     return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ALL}
 
 
-def epochs(rows: int, seed: int) -> Callable[[], list[np.ndarray]]:
-    """Each call: the next epoch's shuffled batches of indices."""
+def epochs(rows: int, seed: int, rank: int = 0, world: int = 1,
+           ) -> Callable[[], list[np.ndarray]]:
+    """Each call: the next epoch's shuffled batches of indices (rank ``rank``'s share of
+    ``world``: every ``world``-th index of the same permutation)."""
     rng = np.random.default_rng(seed)
 
     def next_epoch() -> list[np.ndarray]:
-        order = rng.permutation(rows)
-        return [order[i:i + BATCH] for i in range(0, rows, BATCH)]
+        order = rng.permutation(rows)[rank::world]
+        return [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
     return next_epoch
 
 
@@ -118,6 +134,52 @@ def loader_epoch(loader: object, name: str) -> Callable[[], int]:
     return run
 
 
+Epoch = Callable[[], int]
+Factory = Callable[[int, int], tuple[Epoch, Callable[[], None]]]
+"""(rank, world) -> (one epoch's run, close): a setting opened in the process that reads it."""
+
+
+def _rank(factory: Factory, rank: int, world: int, seconds: float, barrier: Any,
+          epochs_to_run: Any, results: Any) -> None:
+    """One rank of ``ranked`` (a forked process): open, one untimed epoch, then the agreed
+    number of epochs from the barrier on; put (rank, rows, seconds) or (rank, None, error)."""
+    try:
+        run, close = factory(rank, world)
+        start = time.perf_counter()
+        run()
+        if rank == 0:  # about ``seconds`` of whole epochs, the same count on every rank
+            epochs_to_run.value = max(1, math.ceil(seconds / (time.perf_counter() - start)))
+        barrier.wait(timeout=600)
+        count, start = 0, time.perf_counter()
+        for _ in range(epochs_to_run.value):
+            count += run()
+        elapsed = time.perf_counter() - start
+        close()
+        results.put((rank, count, elapsed))
+    except BaseException:  # noqa: BLE001 - the parent reports it; the other ranks must not wait
+        barrier.abort()
+        results.put((rank, None, traceback.format_exc()))
+
+
+def ranked(factory: Factory, world: int, seconds: float) -> float:
+    """Rows/s of ``world`` forked ranks reading their shares together: all ranks' rows over
+    the slowest rank's seconds."""
+    context = multiprocessing.get_context("fork")
+    barrier, epochs_to_run, results = context.Barrier(world), context.Value("i", 0), context.Queue()
+    processes = [context.Process(target=_rank, args=(factory, r, world, seconds, barrier,
+                                                     epochs_to_run, results))
+                 for r in range(world)]
+    for process in processes:
+        process.start()
+    got = [results.get(timeout=1200) for _ in processes]
+    for process in processes:
+        process.join()
+    failed = [g for g in got if g[1] is None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed:\n{failed[0][2]}")
+    return sum(g[1] for g in got) / max(g[2] for g in got)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=12000)
@@ -126,46 +188,76 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated setting names to run")
     parser.add_argument("--work", type=Path, default=Path("/tmp/precache-bench-gather"))
     parser.add_argument("--keep", action="store_true", help="keep the cache and .npy files")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="forked processes (ranks) reading their shares together")
     args = parser.parse_args()
     made = not args.work.exists()
-    opened: list[CachedDataset] = []
+    closers: list[Callable[[], None]] = []
     try:
         cache = build(args.work, args.rows)
         arrays = export(cache, args.work / "limit")
         rows = len(arrays["label"])
+        counted = CachedDataset(cache, columns=["label"])
+        shards = len(np.unique(counted.shard_ids))
+        counted.close()
 
-        def dataset(names: list[str]) -> CachedDataset:
-            opened.append(CachedDataset(cache, columns=names))
-            return opened[-1]
-        full, label, points = dataset(ALL), dataset(["label"]), dataset(["landmarks"])
-        label_loader = make_loader(label, BATCH, num_workers=0, seed=1)
-        settings: dict[str, tuple[str, Callable[[], int]]] = {
-            "limit": ("limit", limit_epoch(arrays, ALL, epochs(rows, 0))),
-            "read_batch(storage_order=True)": ("limit", read_batch_epoch(full, epochs(rows, 0))),
-            "make_loader(num_workers=0)": ("limit", loader_epoch(
-                make_loader(dataset(ALL), BATCH, num_workers=0), "label")),
-            "make_loader(num_workers=2) threads": ("limit", loader_epoch(
-                make_loader(dataset(ALL), BATCH, num_workers=2, worker_kind="threads"), "label")),
-            "label limit": ("label limit", limit_epoch(arrays, ["label"], epochs(rows, 0))),
-            "label read_batch": ("label limit", read_batch_epoch(label, epochs(rows, 0))),
-            "label make_loader(0)": ("label limit", loader_epoch(label_loader, "label")),
-            "landmarks limit": ("landmarks limit",
-                                limit_epoch(arrays, ["landmarks"], epochs(rows, 0))),
-            "landmarks read_batch": ("landmarks limit", read_batch_epoch(points, epochs(rows, 0))),
+        def limit(names: list[str]) -> Factory:
+            return lambda rank, world: (limit_epoch(arrays, names, epochs(rows, 0, rank, world)),
+                                        lambda: None)
+
+        def loader(names: list[str], workers: int, **options: Any) -> Factory:
+            def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
+                dataset = CachedDataset(cache, columns=names)
+                given = dict(options, rank=rank, world_size=world) if world > 1 else options
+                return (loader_epoch(make_loader(dataset, BATCH, num_workers=workers, **given),
+                                     "label"), dataset.close)
+            return make
+
+        def read_batch(names: list[str]) -> Factory:
+            def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
+                dataset = CachedDataset(cache, columns=names)
+                return read_batch_epoch(dataset, epochs(rows, 0)), dataset.close
+            return make
+
+        settings: dict[str, tuple[str, Factory]] = {
+            "limit": ("limit", limit(ALL)),
+            "read_batch(storage_order=True)": ("limit", read_batch(ALL)),
+            "make_loader(num_workers=0)": ("limit", loader(ALL, 0)),
+            "make_loader(num_workers=2) threads": ("limit", loader(ALL, 2, worker_kind="threads")),
+            "label limit": ("label limit", limit(["label"])),
+            "label read_batch": ("label limit", read_batch(["label"])),
+            "label make_loader(0)": ("label limit", loader(["label"], 0, seed=1)),
+            "landmarks limit": ("landmarks limit", limit(["landmarks"])),
+            "landmarks read_batch": ("landmarks limit", read_batch(["landmarks"])),
         }
+        if args.ranks > 1:  # the loaders and their limits only
+            settings = {name: setting for name, setting in settings.items()
+                        if "read_batch" not in name and not name.startswith("landmarks")}
+            runs: dict[str, Callable[[], float]] = {
+                name: (lambda f=factory: ranked(f, args.ranks, args.seconds))
+                for name, (_, factory) in settings.items()}
+        else:  # opened once, in this process, in the order above
+            runs = {}
+            for name, (_, factory) in settings.items():
+                run, close = factory(0, 1)
+                closers.append(close)
+                runs[name] = (lambda r=run: timed(r, args.seconds))
         only = [s for s in args.only.split(",") if s]
         rates: dict[str, list[float]] = {name: [] for name in settings}
         ratios: dict[str, list[float]] = {name: [] for name in settings}
         for _ in range(args.rounds):
             got = {}
-            for name, (_, run) in settings.items():
+            for name in settings:
                 if not only or name in only or name.endswith("limit"):
-                    got[name] = timed(run, args.seconds)
+                    got[name] = runs[name]()
             for name, rate in got.items():
                 rates[name].append(rate)
                 ratios[name].append(rate / got[settings[name][0]])
-        print(f"{rows:,} rows in {len(np.unique(full.shard_ids))} shards, "
-              f"batch {BATCH}, full shuffle, warm, one process; median of {args.rounds} rounds")
+        where = (f"{args.ranks} ranks on this node (forked; all ranks' rows over the slowest "
+                 "rank's time)" if args.ranks > 1 else "one process")
+        print(f"{rows:,} rows in {shards} shards, batch {BATCH}, full shuffle, warm, {where}; "
+              f"median of {args.rounds} rounds; precache "
+              f"{precache.__file__.rsplit('/precache/', 1)[0]}")
         print("| reader | rows/s | vs limit |")
         print("|---|---:|---:|")
         for name in settings:
@@ -173,8 +265,8 @@ def main() -> int:
                 print(f"| {name} | {statistics.median(rates[name]):,.0f} "
                       f"| {statistics.median(ratios[name]):.2f} of {settings[name][0]} |")
     finally:
-        for opened_dataset in opened:
-            opened_dataset.close()
+        for close in closers:
+            close()
         if not args.keep and made:
             shutil.rmtree(args.work, ignore_errors=True)
     return 0
