@@ -288,7 +288,7 @@ def main() -> int:
             limit = results[("limit", workers)]
             for name in ("limit", "precache"):
                 runs = results[(name, workers)]
-                ratio = {key: statistics.median(r[key] / l[key] for r, l in zip(runs, limit))
+                ratio = {key: statistics.median(r[key] / base[key] for r, base in zip(runs, limit))
                          for key in ("cold", "warm")}
                 print(f"| {name} | {workers} | {statistics.median(r['cold'] for r in runs):,.0f} "
                       f"| {ratio['cold']:.2f} | {statistics.median(r['warm'] for r in runs):,.0f} "
