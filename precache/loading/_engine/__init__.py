@@ -2,6 +2,13 @@
 ``CachedDataset`` shares and users never import (``tests/test_layering.py`` checks that nothing
 outside ``precache/loading`` does).
 
+- ``read_state``: what every read path of a dataset shares (the index arrays, the open
+  shards, the lock and its pid guard, the page policy, the requested columns);
+- ``gather_fixed``: fixed-shape columns of a warm batch, one ``FixedRows`` gather a column;
+- ``gather_rows``: variable-length columns row by row (``RowTable``, or each shard's row reader);
+- ``gather_shards``: the general path, a batch read shard by shard, and read-ahead;
+- ``resident``: the columns of older caches held whole in memory;
+- ``encoded_images``: JPEG/WebP rows decoded into one batch array (or handed out as bytes);
 - ``open_shards``: the shard readers a process keeps open, within its open-file budget;
 - ``row_table``: per-process tables from dataset row to an open shard's mapped bytes
   (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a batch

@@ -27,7 +27,20 @@ from collections.abc import Callable, Iterable
 from precache.cache.formats.base import ShardReader
 from precache.loading._engine.warm import ShardWarmer
 
-__all__ = ["PagePolicy", "major_faults"]
+__all__ = ["PagePolicy", "available_memory", "major_faults"]
+
+
+def available_memory() -> int:
+    """Bytes the kernel says are available for new data (``MemAvailable``; 0 if unknown): a
+    cache within half of it is warmed whole (``warm_whole_shards``)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def major_faults() -> int:

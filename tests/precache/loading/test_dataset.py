@@ -77,7 +77,8 @@ def test_a_decoded_bytes_budget_reads_the_same_rows_and_in_place_columns_take_no
         np.testing.assert_array_equal(np.stack([s["image"] for s in samples]),
                                       everything["image"][order])
     # mapped and read in place (the budget for older caches: test_variable.py)
-    assert len(small._readers) == 3 and all(r.nbytes == 0 for r in small._readers.values())
+    readers = small._state.readers
+    assert len(readers) == 3 and all(r.nbytes == 0 for r in readers.values())
 
 
 def test_hdf5_maps_fixed_shape_columns_and_agrees_with_sliced_reads(tmp_path):

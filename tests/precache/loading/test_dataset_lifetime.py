@@ -38,7 +38,7 @@ def test_dropped_datasets_release_their_leases_and_stop_their_threads(cache):
     for _ in range(20):
         dataset = CachedDataset(cache, columns=["key", "image"])
         dataset.read_batch([0, 9, 17])  # a cold first batch starts the shard warmer's threads
-        assert dataset._policy.warmer is not None and len(leases(cache)) == len(held) + 1
+        assert dataset._state.policy.warmer is not None and len(leases(cache)) == len(held) + 1
         del dataset
     gc.collect()
     assert [t.name for t in threading.enumerate() if t not in threads] == []

@@ -26,7 +26,7 @@ def cache(request, tmp_path_factory):
 def _counting_gets(dataset: CachedDataset) -> list[int]:
     """Record each shard the dataset's open shards are asked for from now on."""
     asked: list[int] = []
-    get, get_many = dataset._readers.get, dataset._readers.get_many
+    get, get_many = dataset._state.readers.get, dataset._state.readers.get_many
 
     def counted(shard):
         asked.append(shard)
@@ -36,7 +36,7 @@ def _counting_gets(dataset: CachedDataset) -> list[int]:
         shards = list(shards)
         asked.extend(shards)
         return get_many(shards)
-    dataset._readers.get, dataset._readers.get_many = counted, counted_many
+    dataset._state.readers.get, dataset._state.readers.get_many = counted, counted_many
     return asked
 
 

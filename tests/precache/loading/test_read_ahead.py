@@ -15,6 +15,7 @@ import pytest
 
 import precache
 from precache.loading import CachedDataset, make_loader
+from precache.loading._engine import gather_shards
 from precache.loading.loaders.cache_loader import IndexBatch, ReadAheadBatches
 from precache.loading.samplers.shard_sampler import DistributedShardSampler
 from tests.helpers import build_cache, write_photos
@@ -88,7 +89,7 @@ def _resident_pages(path: Path) -> int:
 def test_read_ahead_brings_the_rows_into_the_page_cache(cache):
     dataset = CachedDataset(cache, columns=["image"])
     shard = precache.Cache(cache).shard_path(0)
-    reader = dataset._reader(0)
+    reader = dataset._state.readers.get(0)
     assert "image" in reader.mapped()
     os.sync()
     fd = os.open(shard, os.O_RDONLY)
@@ -119,7 +120,7 @@ def test_read_ahead_covers_variable_length_columns(tmp_path):
     finally:
         os.close(fd)
     dataset = CachedDataset(tmp_path / "cache", columns=["image"])
-    column = dataset._reader(0).variable()["image"]  # JPEG bytes, read in place
+    column = dataset._state.readers.get(0).variable()["image"]  # JPEG bytes, read in place
     column_pages = column.run.nbytes // os.sysconf("SC_PAGE_SIZE")
     assert column_pages > 8 and _resident_pages(shard) < column_pages
     dataset.read_ahead(list(range(16)))
@@ -164,13 +165,14 @@ def test_the_ends_of_the_shards_a_batch_opens_are_asked_for_at_once(cache):
     tail = (64 << 10) // os.sysconf("SC_PAGE_SIZE")  # the footer and the offsets columns
     assert all(_resident_pages(s) < tail for s in shards)
     dataset = CachedDataset(cache, columns=["image"])  # (it opens shard 0 to look at it)
-    opened = len(dataset._readers)
-    dataset._advise_tails([1, 2])  # what a batch of a cold cache does before opening them
+    opened = len(dataset._state.readers)
+    # what a batch of a cold cache does before opening them
+    gather_shards.advise_tails(dataset._state, [1, 2])
     deadline = time.monotonic() + 30
     while (min(_resident_pages(s) for s in shards[1:]) < tail and time.monotonic() < deadline):
         time.sleep(0.05)
     assert all(_resident_pages(s) >= tail for s in shards[1:])
-    assert len(dataset._readers) == opened  # a hint: nothing more was opened
+    assert len(dataset._state.readers) == opened  # a hint: nothing more was opened
     dataset.close()
 
 
@@ -213,7 +215,7 @@ def test_a_batch_asks_for_the_page_headers_of_all_its_shards_before_mapping_one(
     monkeypatch.setattr(ParquetShardReader, "mapped", lambda self: (
         calls.append(("mapped", self.path)) if self._views is None else None) or mapped(self))
     dataset = CachedDataset(cache, columns=["image"])  # opens shard 0 to look at it
-    dataset._policy.warm_whole_shards = False  # as past RAM (no thread reading every shard)
+    dataset._state.policy.warm_whole_shards = False  # as past RAM (no thread reading every shard)
     calls.clear()
     dataset.read_batch([17, 40, 33, 20])  # shards 1 and 2
     paths = {str(precache.Cache(cache).shard_path(i)) for i in (1, 2)}

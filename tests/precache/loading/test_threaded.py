@@ -366,7 +366,7 @@ def test_read_batch_makes_every_fixed_shape_column_and_the_decoded_images_with_e
     images = CachedDataset(dtypes_cache, columns=["key", "image"])
     images.read_batch(list(range(len(images))))
     images.read_batch(rows)
-    assert images._complete is not None and not images._policy.faulting
+    assert images._state.complete is not None and not images._state.policy.faulting
     made = Allocations()
     batch = images.read_batch(rows, empty=made)
     assert list(made.arrays) == [batch["image"].__array_interface__["data"][0]]

@@ -108,7 +108,7 @@ class ShardsOpenedFirst(CachedDataset):
         if getattr(self, "_all_opened_by", None) != os.getpid():  # once in each process (the
             self._all_opened_by = os.getpid()  # parent's open reader must not stop the worker)
             for shard in range(len(self._cache.manifest.shards)):
-                self._reader(shard).mapped()
+                self._state.readers.get(shard).mapped()
         return super().__getitems__(indices)
 
 

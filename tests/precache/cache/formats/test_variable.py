@@ -17,6 +17,7 @@ from precache.cache.formats.parquet import SCHEMA_KEY, ParquetFormat
 from precache.cache.formats.variable import ends_column
 from precache.cache.schema import ColumnSpec, schema_to_json
 from precache.loading import CachedDataset
+from precache.loading._engine import gather_shards
 from precache.storage.hashing import file_checksum
 from tests.helpers import build_cache
 
@@ -216,7 +217,8 @@ def test_the_dataset_reads_variable_columns_in_place_past_any_budget(ragged_cach
         assert batch["key"] == [everything["key"][i] for i in order]
         for got, i in zip(batch["ids"], order):
             np.testing.assert_array_equal(got, everything["ids"][i])
-    assert len(dataset._readers) == 4 and all(r.nbytes == 0 for r in dataset._readers.values())
+    readers = dataset._state.readers
+    assert len(readers) == 4 and all(r.nbytes == 0 for r in readers.values())
     dataset.close()
 
 
@@ -254,7 +256,7 @@ def test_an_older_cache_is_decoded_under_the_budget_and_reads_the_same(ragged_ca
         assert batch["key"] == [everything["key"][i] for i in order]
         for got, i in zip(batch["ids"], order):
             np.testing.assert_array_equal(got, everything["ids"][i])
-    assert len(small._readers) == 1  # the budget closed the others
+    assert len(small._state.readers) == 1  # the budget closed the others
     small.close()
 
 
@@ -333,9 +335,9 @@ def test_rows_of_many_shards_are_read_through_one_table_while_shards_close_and_r
     for order in ([59, 0, 20, 40, 5, 33],  # 4 shards, more than may be open: read otherwise
                   [0, 17, 1], [40, 59, 33, 2], [18, 50, 20], [3, 3, 34]):  # 2 at a time
         check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
-    (table,) = dataset._readers._tables.values()
+    (table,) = dataset._state.readers._tables.values()
     assert table.usable and table.ready.sum() == 2  # the two shards open now
-    assert len(dataset._readers) == 2
+    assert len(dataset._state.readers) == 2
     dataset.close()
 
 
@@ -362,7 +364,7 @@ def test_a_cache_with_shards_written_before_checksums_reads_the_same(
     dataset = CachedDataset(cache, columns=["key", "ids"])
     order = list(range(59, -1, -7)) + [20, 20]
     check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
-    (table,) = dataset._readers._tables.values()
+    (table,) = dataset._state.readers._tables.values()
     assert not table.usable  # shard 1's rows are checked one by one instead
     dataset.close()
 
@@ -391,18 +393,18 @@ def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_sam
     keys = precache.Cache(ragged_cache).read_all(["key"])["key"]
     dataset = CachedDataset(ragged_cache, columns=["key", "ids"])
     dataset.read_batch(list(range(60)))  # opens every shard: the table is complete
-    dataset._policy.faulting = False  # (the test's own files may have been read from disk)
+    dataset._state.policy.faulting = False  # (the test's own files may have been read from disk)
     gathered = []
-    real_gather = dataset._gather
-    monkeypatch.setattr(dataset, "_gather", lambda *a: gathered.append(1) or real_gather(*a))
+    real_gather = gather_shards.gather
+    monkeypatch.setattr(gather_shards, "gather", lambda *a: gathered.append(1) or real_gather(*a))
     order = [59, 0, -1, 20, 20, -60, 33]
     check_batch(dataset.read_batch(order), truth, [keys[i] for i in order])
-    assert gathered == []  # one table read, not _gather
+    assert gathered == []  # one table read, not the per-shard gather
     with pytest.raises(IndexError, match="out of range for a cache of 60 rows"):
         dataset.read_batch([0, 60])
     # past RAM (no thread reading whole shards), pages read from disk after a batch returned
     # (its rows are views) make the next batch take the general path, which reads ahead
-    dataset._policy.warm_whole_shards = False
+    dataset._state.policy.warm_whole_shards = False
     faults = iter(range(10**6, 10**7, 7))
     real = resource.getrusage
 
@@ -412,6 +414,6 @@ def test_warm_batches_of_a_complete_table_skip_the_general_path_and_read_the_sam
 
     monkeypatch.setattr(resource, "getrusage", lambda who: Usage())
     check_batch(dataset.read_batch([3, 40]), truth, [keys[i] for i in (3, 40)])
-    assert gathered == [1] and dataset._policy.faulting
+    assert gathered == [1] and dataset._state.policy.faulting
     monkeypatch.setattr(resource, "getrusage", real)
     dataset.close()
