@@ -12,11 +12,25 @@ from precache.cache.layout import CacheLayout
 from precache.storage.durable import open_own
 from precache.storage.lease import LeaseLost, WriterLease
 
-__all__ = ["CacheLock", "CacheBusyError"]
+__all__ = ["CacheLock", "CacheBusyError", "DEFAULT_WAIT_S"]
+
+DEFAULT_WAIT_S = 2 * 3600.0
+"""How long ``precache.run(..., wait=True)`` waits for another run to finish: long enough for
+most stage-1 runs, short enough that a hung writer does not hold every rank of a job forever."""
+LOCAL_POLL_S = (0.05, 1.0)
+"""A waiter tries the local lock every this many seconds (from the first, doubling to the
+second): a ``flock`` try costs one system call."""
+REMOTE_POLL_S = 5.0
+"""A waiter on a remote cache tries the lease this often: each try reads an object."""
 
 
 class CacheBusyError(RuntimeError):
-    """Another process holds the cache's write lock."""
+    """Another process holds the cache's write lock. ``holder`` names it (``pid 123``, or the
+    remote lease's words), or is empty where it is not known."""
+
+    def __init__(self, message: str, holder: str = "") -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class CacheLock:
@@ -39,9 +53,11 @@ class CacheLock:
             if holder:
                 break
             time.sleep(0.01)
+        holder = f"pid {holder or 'unknown'}"
         return CacheBusyError(
             f"cache '{self.layout.location}' is being written by another precache run "
-            f"(pid {holder or 'unknown'}); wait for it to finish or choose another --output")
+            f"({holder}); wait for it to finish (precache run --wait) or choose another "
+            "--output", holder=holder)
 
     def check_free(self) -> None:
         """Raise ``CacheBusyError`` naming the holder if another run holds the lock; create
@@ -95,8 +111,34 @@ class CacheLock:
                 lease.acquire()
             except LeaseLost as e:
                 self.release()
-                raise CacheBusyError(str(e)) from None
+                raise CacheBusyError(str(e), holder=str(e)) from None
             self._lease = lease
+
+    def wait_free(self, deadline: float) -> bool:
+        """Sleep until no other run holds the local lock, or until ``deadline``
+        (``time.monotonic``); return whether it looked free. Polls (one ``flock`` try each,
+        backing off to a second) rather than blocking, so that it can stop at the deadline.
+        A remote cache's lease is another machine's: after the local lock is free this sleeps
+        ``REMOTE_POLL_S`` and the caller tries the lease again. The lock may be taken again
+        by the time the caller tries it: the caller loops."""
+        pause = LOCAL_POLL_S[0]
+        while True:
+            try:
+                self.check_free()
+                break
+            except CacheBusyError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LOCAL_POLL_S[1])
+        if self.layout.url is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(REMOTE_POLL_S, left))
+        return True
 
     def check(self) -> None:
         """Before publishing: raise ``CacheBusyError`` if another run took the remote lease."""

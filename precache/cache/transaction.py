@@ -26,6 +26,12 @@ Order of effects (crash-safe at every step):
    names (``generations.collect``: older generations stay while a reader holds them and for a
    retention period), the journal and staging are deleted.
 4. **Exit**: the lock is released (also on error; committed shards stay for a re-run).
+
+A run that changes nothing (the same fingerprint, parameters and source, no input added, changed
+or removed, no shard committed or rewritten) publishes nothing: ``publish`` returns the current
+manifest, and ``published`` is False. With ``wait``, entering waits for a run that holds the
+lock to finish (``CacheLock.wait_free``), then enters as usual: a run that waited for another
+that published the same work then finds nothing to do.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +52,7 @@ from precache.cache.formats import ShardFormat, ShardInfo
 from precache.cache.generations import (DEFAULT_RETENTION_S, collect, generation_path,
                                         kept_generations, leased_generations, load_generation)
 from precache.cache.layout import MARKER, CacheLayout
-from precache.cache.lock import CacheLock
+from precache.cache.lock import CacheBusyError, CacheLock
 from precache.cache.manifest import Manifest, ManifestError
 from precache.cache.reader import load_manifest
 from precache.cache.schema import schema_from_json, schema_to_json
@@ -72,6 +79,8 @@ class _State:
     referenced: set[str] = field(default_factory=set)  # shard files that must not be deleted
     max_seq: int = 0
     checked: set[int] = field(default_factory=set)  # old shards whose checksum this run checked
+    published: dict[str, dict[str, Any]] = field(default_factory=dict)  # the old index's records
+    changed: bool = False  # a journal entry adopted, or a shard committed or rewritten
 
 
 class WriteTransaction:
@@ -88,17 +97,20 @@ class WriteTransaction:
         log: where one-line notes go (files left alone in the output).
         retention_s: how long the files of the generation this run supersedes are kept when
             no reader holds it (see ``precache.cache.generations``).
+        wait_s: when another run holds the cache, wait up to this many seconds for it to
+            finish (``None``: raise ``CacheBusyError`` at once). ``waited_s`` says how long
+            entering waited.
 
     Raises (on entering):
         RunError: the output is a file, a non-empty folder that is not a cache, a cache of
             another pipeline, or its manifest or index is unreadable.
-        CacheBusyError: another run holds the cache.
+        CacheBusyError: another run holds the cache (still, after ``wait_s``).
         StorageError: the output URL cannot be written.
     """
 
     def __init__(self, output: str | Any, *, pipeline: str, fingerprint: str,
                  overwrite: bool = False, log: Callable[[str], Any] = print,
-                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+                 retention_s: float = DEFAULT_RETENTION_S, wait_s: float | None = None) -> None:
         self.layout = CacheLayout.for_output(output)  # a URL: work locally, publish to the URL
         self.pipeline = pipeline
         self.fingerprint = fingerprint
@@ -109,10 +121,40 @@ class WriteTransaction:
         self._floor = 0  # the highest generation number this cache has had (see _prepare_output)
         self._state = _State()
         self._lock = CacheLock(self.layout)
+        self.wait_s = wait_s
+        self.waited_s = 0.0
+        self.published = False
 
     # ---- entering: check, lock, prepare, load ------------------------------------------------
 
     def __enter__(self) -> WriteTransaction:
+        if self.wait_s is None:
+            return self._enter()
+        start = time.monotonic()
+        deadline = start + self.wait_s
+        waited = False
+        while True:
+            try:
+                entered = self._enter()
+            except CacheBusyError as busy:
+                if not waited:
+                    self.log(f"precache: cache '{self.location}' is being written by another "
+                             f"precache run ({busy.holder or 'unknown'}); waiting for it to "
+                             f"finish (up to {self.wait_s:g} s)")
+                    waited = True
+                if not self._lock.wait_free(deadline):
+                    raise CacheBusyError(
+                        f"gave up after waiting {self.wait_s:g} s: cache '{self.location}' is "
+                        f"still being written by another precache run "
+                        f"({busy.holder or 'unknown'}); wait longer (--wait-timeout SECONDS, "
+                        "or wait=SECONDS) or stop that run", holder=busy.holder) from None
+                continue
+            if waited:
+                self.waited_s = time.monotonic() - start
+            return entered
+
+    def _enter(self) -> WriteTransaction:
+        """Check the output, take the lock (or raise ``CacheBusyError``), prepare, load."""
         self._check_output()
         self.layout.check_owned_folders()  # before the lock: nothing written or deleted yet
         self._lock.acquire()
@@ -246,6 +288,7 @@ class WriteTransaction:
                     seq = layout.shard_seq(info.path)
                     state.shards[seq] = info
                     state.schemas[seq] = schema_to_json(old.schema)
+                state.published = dict(state.records)
         for entry_path in sorted(layout.journal.glob("part-*.json")):
             try:
                 entry = json.loads(entry_path.read_text())
@@ -263,6 +306,7 @@ class WriteTransaction:
                 continue
             seq = int(entry["seq"])
             state.max_seq = max(state.max_seq, seq)
+            state.changed = True  # an interrupted run's committed work: publish it
             if shard is not None:
                 state.shards[seq] = shard
                 state.schemas[seq] = entry["schema"]
@@ -292,6 +336,7 @@ class WriteTransaction:
         """Take in task ``seq``'s committed shard (or none: every input skipped or failed).
         ``journal``: its journal entry, which a worker writing a remote cache hands back (it
         may run on another machine than the journal)."""
+        self._state.changed = True
         if journal is not None:
             self.layout.write_journal_entry(journal)
         if shard is not None:
@@ -400,6 +445,7 @@ class WriteTransaction:
                 columns = reader.read(indices=live)
             finally:
                 reader.close()
+            state.changed = True
             state.shards[next_seq] = layout.commit_shard(next_seq, shard_format, columns, schema)
             state.schemas[next_seq] = state.schemas[seq]
             for record in kept.values():
@@ -421,11 +467,27 @@ class WriteTransaction:
         self.layout.publish_file(tmp, name)
         return checksum
 
+    def _unchanged(self, records: dict[str, dict[str, Any]], *, pipeline_ref: str,
+                   params: dict[str, Any], source: str) -> bool:
+        """Whether the new cache would be the published one: the same fingerprint (ops,
+        parameters of ops, format), pipeline, parameters and source, the same index records
+        (no input added, changed, touched or removed), and no shard committed or rewritten."""
+        old, state = self.old, self._state
+        return (old is not None and not state.changed and old.fingerprint == self.fingerprint
+                and old.pipeline == self.pipeline and old.pipeline_ref == pipeline_ref
+                and old.source == source
+                and json.dumps(old.params, sort_keys=True, default=str)
+                == json.dumps(params, sort_keys=True, default=str)
+                and records == state.published)
+
     def publish(self, records: dict[str, dict[str, Any]], *, pipeline_ref: str,
                 params: dict[str, Any], ops: list[dict[str, Any]], shard_format: str,
                 source: str) -> Manifest:
         """Write the index and errors tables, then the manifest; delete what the new manifest
         no longer uses. ``records``: key -> index record of every input of the new cache.
+        When that cache is the published one (``_unchanged``), write nothing and return the
+        published manifest (``published`` stays False): a re-run that changes nothing makes
+        no new generation, so readers of the current one have nothing to reopen.
 
         Raises:
             CacheBusyError: a run on another machine took the remote cache's lease.
@@ -433,6 +495,10 @@ class WriteTransaction:
         """
         self._lock.check()  # a remote cache: still this run's lease
         layout, old, state = self.layout, self.old, self._state
+        if old is not None and self._unchanged(records, pipeline_ref=pipeline_ref,
+                                               params=params, source=source):
+            self._clean_up(old)  # what a re-run always did: old generations past retention
+            return old
         ordered = [records[k] for k in sorted(records)]
         used = sorted({r["shard"] for r in ordered if r["shard"] >= 0})
         schemas = {json.dumps(state.schemas[seq], sort_keys=True) for seq in used}
@@ -481,6 +547,7 @@ class WriteTransaction:
             raise
         if layout.url is None:
             fsync_dir(layout.root)  # the manifest's rename, too, survives a power cut
+        self.published = True
         self._clean_up(manifest)
         return manifest
 

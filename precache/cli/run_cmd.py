@@ -7,6 +7,7 @@ import re
 import sys
 
 from precache.processing import DEFAULT_SHARD_ROWS, RunSummary, stage1_workers, run
+from precache.cache.lock import DEFAULT_WAIT_S
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, format_bytes
 from precache.cache.formats import FORMATS
 from precache.cache.inspect import _size
@@ -20,9 +21,11 @@ examples:
   precache run path/to/my_pipeline.py -i list.txt -o cache/   # imports and runs that file
   precache run faces -i photos/ -o cache/ --executor ray              # a local Ray, all cores
   precache run faces -i /shared/photos -o /shared/cache --executor ray --address HEAD_IP:6379
+  precache run images -i photos/ -o cache/ --wait   # on every rank: one computes, the rest wait
 
-Re-running the same command is cheap: unchanged inputs are not recomputed, an interrupted run
-resumes where it stopped, and changed ops or parameters rebuild the cache. Inputs that fail are
+Re-running the same command is cheap: unchanged inputs are not recomputed (a re-run that changes
+nothing publishes no new generation), an interrupted run resumes where it stopped, and changed
+ops or parameters rebuild the cache. Inputs that fail are
 recorded in the cache's errors table and the run goes on (exit 0); --fail-fast stops at the first.
 A pipeline .py file (or module:attr) is Python code: precache imports and runs it with your rights,
 in every worker too, as `python my_pipeline.py` would; run only pipeline files you trust.
@@ -107,6 +110,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "`ray start --head` printed, or 'auto'); -j then defaults to the "
                         "cluster's CPUs. The actors write the shards, so --input and --output "
                         "must be at the same paths on every node (a shared file system)")
+    parser.add_argument("--wait", action="store_true",
+                        help="if another run is writing --output (another rank of the same job), "
+                        "wait for it to finish, then compute only what it left (usually "
+                        f"nothing) instead of failing; up to {DEFAULT_WAIT_S / 3600:.0f} hours")
+    parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --wait (implies it): wait at most this long, then fail with "
+                        "one line naming the run that holds the cache")
     parser.set_defaults(handler=run_command)
 
 
@@ -118,7 +128,11 @@ def print_summary(summary: RunSummary) -> None:
         f"({summary.samples_per_s:.1f} samples/s), reused {summary.reused}"
         + (f", dropped {summary.deleted} deleted" if summary.deleted else "")
     )
-    print(f"cache {summary.cache}: {summary.rows} rows, {_size(summary.cache_bytes)}")
+    if summary.waited_s:
+        print(f"waited {summary.waited_s:.1f} s for another run of this cache")
+    print(f"cache {summary.cache}: {summary.rows} rows, {_size(summary.cache_bytes)}, generation "
+          f"{summary.generation}" + ("" if summary.published else " (up to date: nothing new "
+                                     "published)"))
     for record in summary.failures[:5]:
         print(f"  failed {record['key']}: [{record['stage']}] {record['error_type']}: "
               f"{record['message']}")
@@ -134,13 +148,16 @@ def run_command(args: argparse.Namespace) -> int:
         raise PipelineError(f"--shard-rows must be at least 1, got {args.shard_rows}")
     if args.address is not None and args.executor != "ray":
         raise PipelineError("--address is the address of a Ray cluster: add --executor ray")
+    if args.wait_timeout is not None and not args.wait_timeout >= 0:
+        raise PipelineError(f"--wait-timeout must be seconds >= 0, got {args.wait_timeout}")
+    wait: bool | float = args.wait if args.wait_timeout is None else args.wait_timeout
     pipeline = load_pipeline(args.pipeline)
     overrides = pipeline.parse_overrides(args.overrides)
     summary = run(
         pipeline, args.input, args.output, params=overrides, workers=args.workers,
         format=args.format, shard_rows=args.shard_rows, overwrite=args.overwrite,
         fail_fast=args.fail_fast, progress=not args.quiet, executor=args.executor,
-        ray_address=args.address, max_input_bytes=args.max_input_bytes,
+        ray_address=args.address, max_input_bytes=args.max_input_bytes, wait=wait,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     print_summary(summary)

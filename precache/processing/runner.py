@@ -15,6 +15,12 @@ Rules (also in docs/stage1.md, "What a re-run does"):
   crash (even kill -9) adopts them and computes only the rest.
 - **Deterministic**: tasks are fixed runs of ``shard_rows`` inputs in key order and shards are
   numbered by task, so the number of workers does not change the cache.
+- **Up to date**: a run that finds nothing to do (nothing added, changed or removed, the same
+  fingerprint) publishes no new generation; readers of the current one keep it.
+- **Waiting** (``wait``): a run that finds the cache's lock held waits for that run to finish,
+  then plans as usual: after a run of the same command that published, there is nothing left
+  to compute, and it returns the summary of the cache that run published. Every rank of a job
+  can call ``run(..., wait=True)``; one computes, the others wait.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
 from precache.cache.layout import CacheLayout
 from precache.cache.generations import DEFAULT_RETENTION_S
+from precache.cache.lock import DEFAULT_WAIT_S
 from precache.cache.transaction import WriteTransaction
 from precache.errors import RunError
 from precache.storage import is_remote, local_path
@@ -72,6 +79,9 @@ class RunSummary:
     shard_bytes_written: int
     failures: list[dict[str, Any]] = field(default_factory=list)
     errors_table: str = ""  # the errors table's name in the cache (errors-GGGGG.parquet)
+    generation: int = 0  # the cache's generation after the run
+    published: bool = True  # False: nothing changed, the run published no new generation
+    waited_s: float = 0.0  # how long the run waited for another run that held the cache
 
     @property
     def samples_per_s(self) -> float:
@@ -117,6 +127,7 @@ def run(
     ray_address: str | None = None,
     retention_s: float = DEFAULT_RETENTION_S,
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+    wait: bool | float = False,
 ) -> RunSummary:
     """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
 
@@ -152,13 +163,20 @@ def run(
             an input that is not a regular file (a FIFO, a device, a socket; a symlink to a
             regular file is fine); the run goes on. Not part of the fingerprint: raising it
             retries those inputs on the next run.
+        wait: when another run holds the cache (another rank of the same job, say), wait for
+            it to finish instead of raising ``CacheBusyError``: ``True`` waits up to
+            ``DEFAULT_WAIT_S`` (2 hours), a number up to that many seconds. The run then goes
+            on as usual: after a run of the same command that published, it computes nothing
+            and returns that cache's summary (``computed`` 0, ``published`` False); if the
+            inputs changed meanwhile, or the other run died, it computes what is left. Works
+            for local caches (a ``flock``) and remote ones (the writer lease, tried every 5 s).
 
     Returns:
         A ``RunSummary``.
 
     Raises:
         InputError, PipelineError: bad input path, pipeline or parameters.
-        CacheBusyError: another run holds the cache.
+        CacheBusyError: another run holds the cache (with ``wait``: still, when it expired).
         RunError: the run cannot go on (fail-fast error, crashed worker, refused output).
         StorageError: the output URL cannot be written (missing bucket, refused credentials).
     """
@@ -169,6 +187,7 @@ def run(
         raise ValueError(f"shard_rows must be positive, got {shard_rows}")
     if executor not in ("local", "ray"):
         raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+    wait_s = _wait_seconds(wait)
     max_input_bytes = check_max_input_bytes(max_input_bytes)
     if executor == "ray":
         require_ray(ray_address)  # before any work
@@ -180,8 +199,11 @@ def run(
     inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
     transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
-                                   overwrite=overwrite, log=log, retention_s=retention_s)
+                                   overwrite=overwrite, log=log, retention_s=retention_s,
+                                   wait_s=wait_s)
     with transaction as tx:
+        if tx.waited_s:  # the run waited for wrote its files: list again, leaving them out
+            inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
         todo, kept = classify(inputs, tx.records, max_input_bytes)
         todo = tx.recompute_damaged(inputs, todo, kept)  # rows of a damaged shard: again
         deleted = len(set(tx.records) - {item.key for item in inputs})
@@ -225,6 +247,9 @@ def run(
         touched, rewritten = tx.drop_stale_rows(kept, shard_format, first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref=pipeline.ref, params=resolved, ops=descriptions,
                               shard_format=format, source=escape_name(str(input)))
+        if not tx.published:
+            log(f"precache: cache '{tx.location}' is up to date (generation "
+                f"{manifest.generation}): nothing changed, nothing published")
     wall = time.perf_counter() - start
     cache_bytes = layout.store.total_bytes()
     failures = [r for r in kept.values() if r["status"] == "failed"]
@@ -236,5 +261,18 @@ def run(
         deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,
         cache_bytes=cache_bytes,
         shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
-        errors_table=manifest.errors["path"],
+        errors_table=manifest.errors["path"], generation=manifest.generation,
+        published=tx.published, waited_s=tx.waited_s,
     )
+
+
+def _wait_seconds(wait: bool | float | None) -> float | None:
+    """``run``'s ``wait`` as seconds (``None``: do not wait)."""
+    if wait is None or wait is False:
+        return None
+    if wait is True:
+        return DEFAULT_WAIT_S
+    seconds = float(wait)
+    if not seconds >= 0:
+        raise ValueError(f"wait must be True, False or seconds >= 0, got {wait!r}")
+    return seconds

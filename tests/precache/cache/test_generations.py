@@ -124,7 +124,9 @@ def test_keep_n_keeps_the_newest_superseded_generations_whatever_their_age(
         tmp_path: Path) -> None:
     photos, cache = tmp_path / "photos", tmp_path / "cache"
     write_photos(photos, ROWS)
-    for _ in range(4):  # generations 1-4: a re-run publishes one even when nothing changed
+    for n in range(4):  # generations 1-4: each re-run has one more input
+        if n:
+            write_photos(photos / f"more{n}", 1, seed=n)
         build(photos, cache, retention_s=3600)
     assert kept_generations(Store(cache)) == [1, 2, 3, 4]
     gc = precache_cli("gc", str(cache), "--older-than", "0", "--keep", "2")
@@ -200,6 +202,7 @@ def test_holding_a_generation_that_gc_removed_meanwhile_fails_and_holds_nothing(
     photos, cache = tmp_path / "photos", tmp_path / "cache"
     write_photos(photos, ROWS)
     build(photos, cache)
+    write_photos(photos / "more", 1, seed=1)  # a re-run that changes nothing publishes nothing
     build(photos, cache, retention_s=3600)  # generation 1 kept by the retention period
 
     class LateLease(ReaderLease):

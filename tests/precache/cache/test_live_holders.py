@@ -110,7 +110,8 @@ def test_a_run_started_an_instant_after_another_names_the_holder_of_the_lock(
         err = capsys.readouterr().err
         assert code == 1 and err == (
             f"precache: error: cache '{cache}' is being written by another precache run (pid "
-            f"{early.pid}); wait for it to finish or choose another --output\n"), err
+            f"{early.pid}); wait for it to finish (precache run --wait) or choose another "
+            "--output\n"), err
     finally:
         early.kill()
         early.wait()
@@ -135,7 +136,7 @@ def test_of_two_runs_started_at_once_on_a_new_folder_the_loser_names_the_winner(
             winner = racers[said.index("won")]
             assert sorted(said)[0] == (f"busy: cache '{cache}' is being written by another "
                                        f"precache run (pid {winner.pid}); wait for it to finish "
-                                       "or choose another --output"), said
+                                       "(precache run --wait) or choose another --output"), said
             tell("done")
     finally:
         for racer in racers:

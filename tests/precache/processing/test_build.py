@@ -77,10 +77,15 @@ def test_rerun_on_unchanged_inputs_does_no_op_work(photos: Path, tmp_path: Path,
     quiet_run(photos, tmp_path / "c", workers=2)
     assert sorted(read_calls(call_log)) == sorted(p.name for p in photos.iterdir())
     before = shard_checksums(tmp_path / "c")
+    manifest = (tmp_path / "c" / "manifest.json").read_bytes()
     call_log.unlink()
     again = quiet_run(photos, tmp_path / "c", workers=2)
     assert read_calls(call_log) == [] and again.computed == 0 and again.reused == 24
     assert shard_checksums(tmp_path / "c") == before
+    # nothing changed: no new generation (readers of generation 1 have nothing to reopen)
+    assert not again.published and again.generation == 1 and again.ok == 24
+    assert (tmp_path / "c" / "manifest.json").read_bytes() == manifest
+    assert [p.name for p in (tmp_path / "c" / "generations").iterdir()] == ["manifest-00001.json"]
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
