@@ -30,7 +30,7 @@ from precache.pipelines.faces.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUG
                                                 DECODE_ON, DECODE_ON_HELP, LandmarkNet,
                                                 batch_to_inputs, decode_in_loader)
 from precache.training.loop import Run, Step, Task, TrainData, fit
-from precache.training.settings import Settings, training_parser
+from precache.training.settings import Settings, check_cache, training_parser
 
 
 class Landmarks(Task):
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
     p.add_argument("--decode-on", choices=DECODE_ON, default="device", help=DECODE_ON_HELP)
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "faces", ["image", "landmarks5"])
     fit(Landmarks(args.augment_on, args.decode_on), Settings.from_args(args))
 
 

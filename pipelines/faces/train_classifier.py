@@ -36,7 +36,7 @@ from precache.pipelines.faces.landmarks import (AUGMENT_COLUMNS, AUGMENT_ON, AUG
 from precache.pipelines.faces.video_eval import aggregate, held_out, log_loss, roc_auc
 from precache.processing.ops import Labels
 from precache.training.loop import Run, Step, Task, TrainData, fit
-from precache.training.settings import Settings, training_parser
+from precache.training.settings import Settings, check_cache, training_parser
 
 
 def frame_augment(seed: int) -> FaceAugment:
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--augment-on", choices=AUGMENT_ON, default="device", help=AUGMENT_ON_HELP)
     p.add_argument("--decode-on", choices=DECODE_ON, default="device", help=DECODE_ON_HELP)
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "video-faces", ["image"])
     fit(VideoClassification(args), Settings.from_args(args))
 
 

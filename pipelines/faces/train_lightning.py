@@ -32,7 +32,7 @@ from precache.augment import FaceAugment
 from precache.loading.interop.lightning import CacheDataModule
 from precache.pipelines.faces.landmarks import AUGMENT_COLUMNS, LandmarkNet, batch_to_inputs
 from precache.training.metrics_log import MetricLog
-from precache.training.settings import training_parser
+from precache.training.settings import check_cache, training_parser
 from precache.training.step import auto_precision, open_keys_log
 
 LIGHTNING_PRECISION = {"fp32": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="processes (GPUs) per node")
     p.add_argument("--num-nodes", type=int, default=1)
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "faces", ["image", "landmarks5"])
     precision = args.precision if args.precision != "auto" else auto_precision(
         torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     check_hardware(args.strategy, precision)

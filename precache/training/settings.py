@@ -11,10 +11,13 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import torch
+
 from precache.loading.loaders.cache_loader import WORKER_KINDS, check_worker_kind
+from precache.training.step import auto_precision
 from precache.training.strategy import STRATEGIES
 
-__all__ = ["PRECISION_CHOICES", "Settings", "training_parser"]
+__all__ = ["PRECISION_CHOICES", "Settings", "check_cache", "precision_help", "training_parser"]
 
 PRECISION_CHOICES = ("bf16", "fp16", "fp32", "auto")
 _STRATEGY_HELP = {"ddp": "replicate the model", "zero": "ZeRO-1, shard the optimizer state",
@@ -38,7 +41,8 @@ class Settings:
         worker_kind: ``auto``, ``threads`` or ``processes``: who reads the batches
             (``make_loader``'s ``worker_kind``; auto: threads unless the dataset has a
             per-sample Python transform).
-        precision: ``bf16``, ``fp16`` (CUDA, with a GradScaler), ``fp32`` or ``auto``.
+        precision: ``bf16``, ``fp16`` (CUDA, with a GradScaler), ``fp32`` or ``auto`` (the
+            default: ``step.auto_precision``, bf16 only where the device computes it natively).
         strategy: ``ddp``, ``zero`` or ``fsdp`` (``precache.training.strategy``).
         compile: ``torch.compile`` the model.
         timeline_every: time the phases of about one batch in this many.
@@ -58,7 +62,7 @@ class Settings:
     clip: float = 1.0
     workers: int | None = None
     worker_kind: str = "auto"
-    precision: str = "bf16"
+    precision: str = "auto"
     strategy: str = "ddp"
     compile: bool = False
     timeline_every: int = 10
@@ -86,8 +90,50 @@ class Settings:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
+def precision_help(default: str) -> str:
+    """The help of ``--precision``: what each choice does, what ``auto`` picks and, on a machine
+    without CUDA, what it picks here (on CUDA each rank decides for its own GPU: asking the GPU
+    while parsing would start a CUDA context on GPU 0 in every rank)."""
+    here = "" if torch.cuda.is_available() else f"; here: {auto_precision(torch.device('cpu'))}"
+    return ("autocast dtype; fp16 (CUDA only) uses a GradScaler; auto: bf16 where the device "
+            "computes it natively (a GPU with bf16, a CPU with AVX512-BF16 or AMX), fp16 on a "
+            "GPU without bf16, fp32 on other CPUs, where bf16 is emulated (measured 23x slower "
+            f"on an AVX2 CPU){here} (default: {default})")
+
+
+def check_cache(parser: argparse.ArgumentParser, cache: str, pipeline: str,
+                columns: Sequence[str] = ()) -> None:
+    """Exit 2 with one line naming ``cache`` and the fix when it is no finished cache of the
+    ``columns`` a trainer reads: before any process group, model or loader starts, so that a
+    mistyped ``--cache`` is one line, not a traceback from inside the loop.
+
+    Args:
+        parser: the trainer's parser (its ``prog`` starts the line, as argparse's errors do).
+        cache: the ``--cache`` value.
+        pipeline: the pipeline whose caches the trainer reads (named in the fix).
+        columns: the columns the trainer reads.
+    """
+    from precache.cache import Cache
+    from precache.cache.manifest import ManifestError
+    from precache.storage import StorageError
+
+    build = f"`precache run {pipeline} --input <your inputs> --output {cache}`"
+    try:
+        manifest = Cache(cache).manifest
+    except (ManifestError, StorageError) as e:
+        reason = str(e).rstrip(".")
+        fix = "" if "re-run" in reason else f"; build it first with {build}"
+        parser.exit(2, f"{parser.prog}: error: --cache: {reason}{fix}\n")
+    missing = [c for c in columns if c not in manifest.schema]
+    if missing:
+        parser.exit(2, f"{parser.prog}: error: --cache: '{cache}' is a '{manifest.pipeline}' "
+                    f"cache without the column{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(missing)} this trainer reads; give a {pipeline} cache "
+                    f"(built by {build})\n")
+
+
 def training_parser(description: str | None, *, out: str, lr: float, epochs: int = 3,
-                    batch_size: int = 32, precision: str = "bf16",
+                    batch_size: int = 32, precision: str = "auto",
                     cache_help: str = "the cache to train on", items: str = "samples",
                     strategies: Sequence[str] = STRATEGIES,
                     loop: bool = True) -> argparse.ArgumentParser:
@@ -124,9 +170,7 @@ def training_parser(description: str | None, *, out: str, lr: float, epochs: int
                         "release the GIL) or worker processes (per-sample Python transforms); "
                         "auto: threads unless the dataset has a per-sample transform")
     p.add_argument("--precision", choices=PRECISION_CHOICES, default=precision,
-                   help="autocast dtype; fp16 (CUDA only) uses a GradScaler; auto: bf16 on a GPU "
-                        "that has it (else fp16), fp32 on a CPU without native bf16 (AVX512-BF16, "
-                        "AMX), where bf16 is emulated (measured 23x slower on an AVX2 CPU)")
+                   help=precision_help(precision))
     p.add_argument("--strategy", choices=strategies, default="ddp",
                    help="; ".join(f"{name}: {_STRATEGY_HELP.get(name, name)}"
                                   for name in strategies))

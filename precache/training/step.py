@@ -28,28 +28,33 @@ def mixed_precision(precision: str, device: torch.device) -> tuple[Any, torch.am
     """
     dtype = PRECISIONS[precision]
     if dtype is torch.float16 and device.type != "cuda":
-        raise SystemExit("--precision fp16 needs CUDA; use bf16 on CPU")
+        raise SystemExit("--precision fp16 needs CUDA; on a CPU use auto (the default) "
+                         "or fp32")
     return dtype, torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 
 
-def auto_precision(device: torch.device) -> str:
-    """``--precision auto``: bf16 where the hardware computes in it, fp16 on GPUs without bf16,
-    fp32 on CPUs without native bf16 (AVX512-BF16, AMX), where torch emulates it (measured 23x
-    slower than fp32 for MiniLM fine-tuning on an AVX2 CPU)."""
+def auto_precision(device: torch.device, cpu_bf16: bool | None = None) -> str:
+    """``--precision auto`` (the trainers' default): bf16 where the hardware computes in it, fp16
+    (with a GradScaler) on GPUs without bf16, fp32 on CPUs without native bf16 (AVX512-BF16,
+    AMX), where torch emulates it (measured 23x slower than fp32 for MiniLM fine-tuning on an AVX2
+    CPU). ``cpu_bf16``: whether the CPU has native bf16 (default: ``cpu_has_native_bf16()``)."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if cpu_has_native_bf16() else "fp32"
+    native = cpu_has_native_bf16() if cpu_bf16 is None else cpu_bf16
+    return "bf16" if native else "fp32"
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch
-    emulates it, and bf16 autocast is slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    emulates it, and bf16 autocast is slower than fp32. ``cpuinfo``: the text of
+    ``/proc/cpuinfo`` (default: read it; without it, e.g. on macOS, False)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpuinfo.split()))
 
 
 def one_cycle(progress: float, start: float, peak: float, end: float,

@@ -62,6 +62,24 @@ def test_the_recorded_minilm_cpu_run_is_told_to_compile_and_step_less_often_not_
     assert "mixed-precision" in rules(diagnose(dict(config, cpu_bf16=True), epochs[-1]))
 
 
+
+def test_bf16_emulated_on_the_cpu_is_told_to_use_fp32_and_not_to_compile(tmp_path):
+    """The recorded MiniLM CPU run as if it had run in bf16 on a CPU without native bf16 (the run
+    record's cpu_bf16: false): fp32 first, and no --compile (what doctor said before)."""
+    config, epochs, steps = load_timeline(RECORDED / "minilm_cpu_fp32.jsonl")
+    emulated = dict(config, precision="bf16", cpu_bf16=False)
+    assert rules(diagnose(emulated, epochs[-1])) == ["fp32-on-this-cpu", "fewer-optimizer-steps"]
+    assert rules(diagnose(dict(emulated, cpu_bf16=True), epochs[-1])) == [
+        "compile", "fewer-optimizer-steps"]  # native bf16: as before
+    run = write_run(tmp_path / "metrics.jsonl", emulated, epochs[-1]["timeline"], steps)
+    done = precache_cli("doctor", str(run))
+    assert done.returncode == 0, done.stderr
+    assert ("1. --precision fp32, or auto (the trainers' default), which picks fp32 on this CPU"
+            in done.stdout) and "--compile" not in done.stdout
+    assert "because: precision bf16 on a CPU without native bf16 (the run record says " \
+           "cpu_bf16: false" in done.stdout
+
+
 @pytest.mark.parametrize("run, fired", [("minilm_h100_fp32", ["more-workers"]),
                                         ("minilm_h100_fp16", ["more-workers", "compile"])])
 def test_the_recorded_h100_runs_are_told_to_add_loader_workers(run, fired):

@@ -129,7 +129,7 @@ def test_the_precision_flag_picks_the_autocast_dtype(tmp_path, precision):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs fp16")
 def test_fp16_without_cuda_is_refused_in_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="--precision fp16 needs CUDA; use bf16 on CPU"):
+    with pytest.raises(SystemExit, match="--precision fp16 needs CUDA; on a CPU use auto"):
         fit(Regression(8), settings(tmp_path, precision="fp16"))
 
 

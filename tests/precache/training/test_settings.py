@@ -59,3 +59,22 @@ def test_settings_refuse_what_the_loop_cannot_run():
     args = training_parser(None, out="o", lr=1.0).parse_args(["--cache", "c", "--worker-kind",
                                                                "processes"])
     assert Settings.from_args(args).worker_kind == "processes"
+
+
+def test_precision_defaults_to_auto_and_the_help_says_what_auto_picks():
+    """On a CPU without native bf16, auto is fp32 (bf16 is emulated there: 4-23x slower)."""
+    import torch
+
+    from precache.training.step import auto_precision, cpu_has_native_bf16
+
+    p = training_parser("doc", out="o", lr=1e-3)
+    assert p.parse_args(["--cache", "c"]).precision == "auto" == Settings("c", "o").precision
+    help_text = " ".join(p.format_help().split())
+    assert ("auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with "
+            "AVX512-BF16 or AMX), fp16 on a GPU without bf16, fp32 on other CPUs") in help_text
+    if not torch.cuda.is_available():
+        assert f"here: {auto_precision(torch.device('cpu'))} (default: auto)" in help_text
+    avx2 = "flags : fpu sse2 avx avx2 fma\n"
+    assert not cpu_has_native_bf16(avx2) and cpu_has_native_bf16(avx2 + " avx512_bf16")
+    assert auto_precision(torch.device("cpu"), cpu_bf16=False) == "fp32"
+    assert auto_precision(torch.device("cpu"), cpu_bf16=True) == "bf16"
