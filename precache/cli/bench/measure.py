@@ -286,7 +286,8 @@ class FlatColumn:
 
 def _decode_images(buffers: list[memoryview]) -> np.ndarray:
     """Each image decoded straight into its slot of one preallocated uint8 batch (the first
-    decoded alone to learn the size), as ``CachedDataset._decode`` does."""
+    decoded alone to learn the size), as ``CachedDataset`` does
+    (``precache.loading._engine.encoded_images``)."""
     if not buffers:
         return np.empty((0, 0, 0, 3), np.uint8)
     first = decode_image(buffers[0])
