@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import time
 
 from precache.cache.layout import CacheLayout
 from precache.storage.durable import open_own
-from precache.storage.lease import LeaseLost, WriterLease
+from precache.storage.lease import LEASE_FILE, LeaseLost, WriterLease
 
 __all__ = ["CacheLock", "CacheBusyError", "DEFAULT_WAIT_S"]
 
@@ -111,8 +112,16 @@ class CacheLock:
                 lease.acquire()
             except LeaseLost as e:
                 self.release()
-                raise CacheBusyError(str(e), holder=str(e)) from None
+                raise CacheBusyError(str(e), holder=self._lease_holder()) from None
             self._lease = lease
+
+    def _lease_holder(self) -> str:
+        """The run holding the remote cache's writer lease, as ``host H, pid P``."""
+        try:
+            held = json.loads(self.layout.store.read_bytes(LEASE_FILE))
+            return f"host {held.get('host', '?')}, pid {held.get('pid', '?')}"
+        except (OSError, ValueError, AttributeError):  # gone meanwhile, or not precache's
+            return ""
 
     def wait_free(self, deadline: float) -> bool:
         """Sleep until no other run holds the local lock, or until ``deadline``
