@@ -1,13 +1,15 @@
-"""A warm batch of fixed-shape columns: one gather a column, whatever shards it touches.
+"""A warm batch with fixed-shape columns: one gather a column, whatever shards it touches.
 
 Fixed-shape and scalar columns of Parquet shards written by precache (and of HDF5 shards) are
 read from the memory-mapped shard file: a batch is a gather from the page cache, which holds
 each page once for every worker and rank on the node. Nothing is decoded and no process keeps a
 private copy, so the speed does not depend on how the cache compares with this process's
-memory, and the first batch needs no decoding pass. Warm, a batch of only fixed-shape columns
-goes through this process's ``FixedRows`` (each open shard's view address; nothing done a
-shard): with 256-row shards a shuffled batch touches one every few rows, and the per-shard path
-(``gather_shards``) would cost Python work for each.
+memory, and the first batch needs no decoding pass. Warm, a batch goes through this process's
+``FixedRows`` (each open shard's view address; nothing done a shard): with 256-row shards a
+shuffled batch touches one every few rows, and the per-shard path (``gather_shards``) would
+cost Python work for each. Its variable-length columns (a JPEG ``image``, a ``key``), if any,
+come from the ``RowTable`` in the same row order (``gather_rows.rows_in_table``: one slice a
+row), and encoded images are then decoded as on every path (``encoded_images``).
 """
 
 from __future__ import annotations
@@ -17,45 +19,93 @@ from typing import Any
 
 import numpy as np
 
+from precache.loading._engine.encoded_images import batch_images
+from precache.loading._engine.gather_rows import as_batch, row_table, rows_in_table
 from precache.loading._engine.read_state import ReadState, index_array
 from precache.loading._engine.row_table import FixedRows
 
-__all__ = ["read_fixed"]
+__all__ = ["read_tables"]
+
+Plan = tuple[FixedRows, list[Any]]
+"""A ``FixedRows`` and its ``plan`` of a batch."""
 
 
-def read_fixed(state: ReadState, indices: Sequence[int],
-               empty: Callable[..., np.ndarray]) -> dict[str, Any] | None:
-    """A warm batch whose requested columns are all fixed-shape and mapped, through
-    ``FixedRows`` (into ``empty``'s arrays where the caller gives one: pinned memory). ``None``
+def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., np.ndarray],
+                storage_order: bool = False) -> dict[str, Any] | None:
+    """A warm batch with a fixed-shape column, its fixed-shape columns mapped and the others
+    in place: the fixed ones through ``FixedRows`` (into ``empty``'s arrays where the caller
+    gives one: pinned memory), the others through the ``RowTable``, in the order asked for;
+    with ``storage_order`` and variable-length columns, in the order stored, as the per-shard
+    path returns them (a loader's batches are then the same warm or cold). ``None``
     otherwise: then ``gather_shards`` reads it (and opens its shards, which the next batch
-    adds to the table)."""
+    adds to the tables)."""
     policy = state.policy
     if (policy.faulting or state.resident or policy.release_mapped_bytes is not None
-            or not state.fixed_only):
+            or not state.by_tables):
         return None
     index = index_array(indices)
+    if storage_order and state.listed and index.size:
+        index = _stored(state, index)
     with state.guard():
         faults = policy.begin()
         if policy.faulting:
             return None
-        columns, schema = state.columns, state.schema
-        table = state.readers.row_table(("fixed", *columns), lambda: FixedRows(
-            columns, [(np.dtype(schema[n].dtype), schema[n].shape) for n in columns],
-            state.first, state.shard, state.row))
-        if not table.usable:
-            state.fixed_only = False  # (a shard's column is not mapped: an older cache)
-            return None
         try:
-            plan = table.plan(index)
-            if plan is None and _fill_fixed(state, table, state.shard[index]):
-                plan = table.plan(index)
+            found = _plan(state, index)
+            lists = _lists(state, index) if found is not None else None
         except IndexError:
             raise state.out_of_range() from None
-        if plan is None:
+        if found is None or lists is None:
             return None
         policy.faults_at_return = faults
-    # outside the lock: in parallel in thread workers
-    return table.gather(plan, None if empty is np.empty else empty)
+    # outside the lock: in parallel in thread workers (the plan holds the views it reads)
+    table, plan = found
+    out: dict[str, Any] = table.gather(plan, None if empty is np.empty else empty)
+    out.update(as_batch(state, lists))
+    for name in state.encoded:
+        out[name] = batch_images(state, name, out[name], index, empty)
+    return out
+
+
+def _stored(state: ReadState, index: np.ndarray) -> np.ndarray:
+    """``index`` in the order its rows are stored: ascending, negative indices counted from
+    the end (a shard's rows are consecutive indices, in the order of its file)."""
+    if index.min() < -len(state) or index.max() >= len(state):
+        raise state.out_of_range()
+    return np.sort(np.where(index < 0, index + len(state), index))
+
+
+def _plan(state: ReadState, index: np.ndarray) -> Plan | None:
+    """The ``FixedRows`` of the requested fixed-shape columns and its plan of ``index``, the
+    shards it lacks opened and added first; ``None`` if they cannot all be (then
+    ``by_tables`` is cleared where a shard's column is not mapped: an older cache). Under
+    the lock."""
+    columns, schema = state.fixed, state.schema
+    table = state.readers.row_table(("fixed", *columns), lambda: FixedRows(
+        columns, [(np.dtype(schema[n].dtype), schema[n].shape) for n in columns],
+        state.first, state.shard, state.row))
+    if not table.usable:
+        state.by_tables = False
+        return None
+    plan = table.plan(index)
+    if plan is None and _fill_fixed(state, table, state.shard[index]):
+        plan = table.plan(index)
+    if not table.usable:
+        state.by_tables = False
+    return None if plan is None else (table, plan)
+
+
+def _lists(state: ReadState, index: np.ndarray) -> dict[str, list] | None:
+    """The variable-length columns of ``index`` through their ``RowTable`` (none: ``{}``);
+    ``None`` if it cannot serve them (``by_tables`` cleared where it never can: an older
+    cache). Under the lock, after ``_plan``: the batch's shards are open then."""
+    if not state.listed:
+        return {}
+    table = row_table(state, state.listed)
+    lists = rows_in_table(state, table, index) if table.usable else None
+    if not table.usable:
+        state.by_tables = False
+    return lists
 
 
 def _fill_fixed(state: ReadState, table: FixedRows, shard_ids: np.ndarray) -> bool:

@@ -5,9 +5,11 @@ place (``precache.cache.formats.variable``) are read from the mapped file: each 
 of it (its shard's offsets checked against their checksum when the shard is opened). A batch
 that takes a few rows of each of many shards reads them through this process's ``RowTable``
 (one gather and one slice a row, nothing a shard); a warm batch of only such columns, once the
-table holds every shard, is one table read (``read_complete``). Shards whose offsets carry no
-checksum are read through each shard's row reader (``_lists_by_row_reader``). Ragged rows leave
-a worker as one array and its row ends (``RaggedRows``).
+table holds every shard, is one table read (``read_complete``); a warm batch that mixes them
+with fixed-shape columns reads them from the same table (``gather_fixed.read_tables``). Shards
+whose offsets carry no checksum are read through each shard's row reader
+(``_lists_by_row_reader``). Ragged rows leave a worker as one array and its row ends
+(``RaggedRows``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from precache.loading._engine.read_state import ReadState, index_array
 from precache.loading._engine.row_table import RowTable
 from precache.loading.datasets.batches import RaggedRows
 
-__all__ = ["lists_row_by_row", "read_complete"]
+__all__ = ["as_batch", "lists_row_by_row", "read_complete", "row_table", "rows_in_table"]
 
 
 def read_complete(state: ReadState, indices: Sequence[int],
@@ -47,9 +49,7 @@ def read_complete(state: ReadState, indices: Sequence[int],
         except IndexError:
             raise state.out_of_range() from None
         policy.faults_at_return = faults  # (reading the table touches no row)
-    schema = state.schema
-    out = {name: RaggedRows(values) if schema[name].kind == "ragged" else values
-           for name, values in lists.items()}
+    out = as_batch(state, lists)
     for name in state.encoded:
         out[name] = batch_images(state, name, out[name], index, empty)
     return out
@@ -61,19 +61,40 @@ def lists_row_by_row(state: ReadState, indices: np.ndarray,
     at a time: through this process's ``RowTable`` where their offsets were verified when
     opened, else ``_lists_by_row_reader``. ``None`` if a shard holds one of them otherwise (an
     older cache): then they are read by shard."""
+    lists = rows_in_table(state, row_table(state, names), indices)
+    return lists if lists is not None else _lists_by_row_reader(state, indices, names)
+
+
+def row_table(state: ReadState, names: list[str]) -> RowTable:
+    """This process's ``RowTable`` of columns ``names`` (encoded images as the file's bytes)."""
     encoded = state.encoded
-    table = state.readers.row_table(("rows", *names), lambda: RowTable(
+    return state.readers.row_table(("rows", *names), lambda: RowTable(
         names, [name in encoded for name in names], state.first, state.row))
+
+
+def rows_in_table(state: ReadState, table: RowTable,
+                  indices: np.ndarray) -> dict[str, list] | None:
+    """``table``'s columns of rows ``indices`` (negative ones count from the end), in that
+    order, the shards it lacks opened and added first. ``None`` if one cannot be added, or
+    the batch touches more shards than may be open at once: then read another way. Call
+    under the dataset's lock (a thread closing a shard empties its entries)."""
     ready = table.complete
     if table.usable and not ready:
         shard_ids = state.shard[indices]  # (not needed once every shard is ready)
         ready = bool(table.ready[shard_ids].all()) or _fill(state, table, shard_ids)
-    if table.usable and ready:
-        state.policy.mapped_read += int(table.row_bytes * len(indices))  # about
-        if table.complete and names == state.columns:
-            state.complete = (os.getpid(), table)
-        return table.read(indices)
-    return _lists_by_row_reader(state, indices, names)
+    if not (table.usable and ready):
+        return None
+    state.policy.mapped_read += int(table.row_bytes * len(indices))  # about
+    if table.complete and table.names == state.columns:
+        state.complete = (os.getpid(), table)
+    return table.read(indices)
+
+
+def as_batch(state: ReadState, lists: dict[str, list]) -> dict[str, Any]:
+    """Variable-length columns as a batch holds them: ragged rows as one ``RaggedRows``."""
+    schema = state.schema
+    return {name: RaggedRows(values) if schema[name].kind == "ragged" else values
+            for name, values in lists.items()}
 
 
 def _fill(state: ReadState, table: RowTable, shard_ids: np.ndarray) -> bool:

@@ -62,7 +62,11 @@ class ReadState:
         shard, row, first: the index (see the module docstring).
         complete: ``(pid, table)`` once a ``RowTable`` serves every requested column of every
             shard: warm batches then go straight to it (``gather_rows.read_complete``).
-        fixed_only: every requested column fixed-shape (and mapped, as ``gather_fixed`` finds).
+        fixed, listed: the requested fixed-shape (and scalar) columns; the others
+            (variable-length), each in the order requested.
+        by_tables: a warm batch may take ``gather_fixed.read_tables`` (some requested column
+            is fixed-shape): until a shard is found whose fixed columns are not mapped or whose
+            others are not in place with verified offsets (an older cache).
         resident: the requested columns are held whole in memory (``resident``).
         resident_arrays: those columns once read (``resident.resident_columns``).
     """
@@ -83,7 +87,9 @@ class ReadState:
         self.row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
         self.first = np.cumsum([0, *map(len, row_of)], dtype=np.int64)
         self.complete: tuple[int, RowTable] | None = None
-        self.fixed_only = all(schema[n].kind in ("ndarray", "scalar") for n in columns)
+        self.fixed = [n for n in columns if schema[n].kind in ("ndarray", "scalar")]
+        self.listed = [n for n in columns if n not in self.fixed]
+        self.by_tables = bool(self.fixed)
         self.resident = False
         self.resident_arrays: dict[str, np.ndarray] | None = None
         self._lock: threading.RLock | None = threading.RLock()

@@ -21,7 +21,7 @@ from precache.cache import Cache
 from precache.loading.datasets.batches import CachedBatch
 from precache.loading._engine import gather_shards
 from precache.loading._engine.encoded_images import batch_images
-from precache.loading._engine.gather_fixed import read_fixed
+from precache.loading._engine.gather_fixed import read_tables
 from precache.loading._engine.gather_rows import read_complete
 from precache.loading._engine.generation_pin import open_pinned
 from precache.loading._engine.open_shards import (OpenShards, fds_per_reader, shard_budget,
@@ -248,7 +248,7 @@ class CachedDataset:
         state = self._state
         fast = read_complete(state, indices, empty)
         if fast is None:
-            fast = read_fixed(state, indices, empty)
+            fast = read_tables(state, indices, empty, storage_order)
         if fast is not None:
             return fast
         copies: gather_shards.Copies = []
