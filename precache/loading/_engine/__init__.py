@@ -4,7 +4,8 @@ outside ``precache/loading`` does).
 
 - ``read_state``: what every read path of a dataset shares (the index arrays, the open
   shards, the lock and its pid guard, the page policy, the requested columns);
-- ``gather_fixed``: fixed-shape columns of a warm batch, one ``FixedRows`` gather a column;
+- ``gather_fixed``: a warm batch with fixed-shape columns, one ``FixedRows`` gather a column
+  (its variable-length columns, if any, from the ``RowTable``, one slice a row);
 - ``gather_rows``: variable-length columns row by row (``RowTable``, or each shard's row reader);
 - ``gather_shards``: the general path, a batch read shard by shard, and read-ahead;
 - ``resident``: the columns of older caches held whole in memory;

@@ -52,7 +52,7 @@ def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., n
             return None
         try:
             found = _plan(state, index)
-            lists = _lists(state, index) if found is not None else None
+            lists = None if found is None else _lists(state, index) if state.listed else {}
         except IndexError:
             raise state.out_of_range() from None
         if found is None or lists is None:
@@ -61,7 +61,8 @@ def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., n
     # outside the lock: in parallel in thread workers (the plan holds the views it reads)
     table, plan = found
     out: dict[str, Any] = table.gather(plan, None if empty is np.empty else empty)
-    out.update(as_batch(state, lists))
+    if lists:
+        out.update(as_batch(state, lists))
     for name in state.encoded:
         out[name] = batch_images(state, name, out[name], index, empty)
     return out
@@ -96,11 +97,9 @@ def _plan(state: ReadState, index: np.ndarray) -> Plan | None:
 
 
 def _lists(state: ReadState, index: np.ndarray) -> dict[str, list] | None:
-    """The variable-length columns of ``index`` through their ``RowTable`` (none: ``{}``);
-    ``None`` if it cannot serve them (``by_tables`` cleared where it never can: an older
-    cache). Under the lock, after ``_plan``: the batch's shards are open then."""
-    if not state.listed:
-        return {}
+    """The variable-length columns of ``index`` through their ``RowTable``; ``None`` if it
+    cannot serve them (``by_tables`` cleared where it never can: an older cache). Under the
+    lock, after ``_plan``: the batch's shards are open then."""
     table = row_table(state, state.listed)
     lists = rows_in_table(state, table, index) if table.usable else None
     if not table.usable:
