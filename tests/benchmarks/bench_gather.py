@@ -16,7 +16,19 @@ rounds is printed:
 - ``read_batch(storage_order=True)``, ``make_loader(num_workers=0)``,
   ``make_loader(num_workers=2)`` (thread workers) over ``CachedDataset``;
 - ``label`` alone and ``landmarks`` alone, ``read_batch`` and ``make_loader(num_workers=0)``,
-  against the limit of that column alone.
+  against the limit of that column alone;
+- **mixed**: ``key`` (a string column, variable-length) with ``image`` + ``landmarks`` +
+  ``label``, and ``key`` + ``label``, ``read_batch`` and ``make_loader(num_workers=0)``, against
+  a limit that reads the same bytes: the fixed columns' memmap ``np.take`` plus each row's key
+  sliced from a memmap of all keys' UTF-8 bytes and their offsets (as ``bench_varlen.py``'s
+  limit) and made a ``str``, as precache hands it out.
+
+``--cold``: instead, every measured epoch is cold: the cache's shard files and the limit's
+``.npy`` files are dropped from the page cache (``posix_fadvise(DONTNEED)``, as
+``bench_varlen.py``), then the reader is opened (a fresh ``CachedDataset``, fresh memmaps: a
+page a live process maps cannot be dropped), reads one epoch and is closed; the epoch's time
+includes the opening. The image + landmarks + label settings and their limit only (the goal:
+cold >= 0.8 of the limit).
 
 ``--ranks R`` (R > 1) runs each ``make_loader`` setting and its limit as R forked processes
 (ranks) on this node, each reading its share of every shuffled epoch: ``make_loader(...,
@@ -27,15 +39,19 @@ together (a barrier) and each times the same number of whole epochs (rank 0's ch
 to the limit with the same R in the same round. ``read_batch`` and ``landmarks`` are not run
 then.
 
-Everything it wrote is deleted at the end unless ``--keep``.
+Everything it wrote is deleted at the end unless ``--keep``. It runs against an older tree
+too (``PYTHONPATH=/older/tree python tests/benchmarks/bench_gather.py``; the table names the
+tree it read), for A/B runs: settings that need a name the tree lacks are skipped, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing
+import os
 import shutil
 import statistics
 import sys
@@ -53,7 +69,12 @@ from precache.loading import CachedDataset, make_loader
 
 PIPELINE = str(Path(__file__).with_name("synthetic_faces.py"))
 ALL = ["image", "landmarks", "label"]
+MIXED = ["key", *ALL]
 BATCH = 256
+
+Keys = tuple[memoryview, np.ndarray]
+"""Every row's key as UTF-8 bytes, one after another, and where each starts (and the last
+ends): the limit's string column."""
 
 
 def build(work: Path, rows: int) -> Path:
@@ -69,16 +90,38 @@ def build(work: Path, rows: int) -> Path:
     return cache
 
 
-def export(cache: Path, folder: Path) -> dict[str, np.ndarray]:
-    """The columns as one ``.npy`` each in dataset order, opened as memmaps (the limit)."""
+def export(cache: Path, folder: Path) -> None:
+    """The columns as one ``.npy`` each in dataset order (the limit's files); ``key`` as its
+    UTF-8 bytes (``key.npy``) and offsets (``key_offsets.npy``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    dataset = CachedDataset(cache, columns=ALL)
+    dataset = CachedDataset(cache, columns=MIXED)
     try:
         for name in ALL:
             np.save(folder / f"{name}.npy", dataset.read_column(name))
+        encoded = [key.encode() for key in dataset.read_column("key")]
     finally:
         dataset.close()
-    return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ALL}
+    np.save(folder / "key.npy", np.frombuffer(b"".join(encoded), np.uint8))
+    np.save(folder / "key_offsets.npy", np.cumsum([0, *map(len, encoded)], dtype=np.int64))
+
+
+def open_limit(folder: Path) -> tuple[dict[str, np.ndarray], Keys]:
+    """The limit's files opened as memmaps (kept open, as precache keeps its shards')."""
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ALL}
+    keys = np.load(folder / "key.npy", mmap_mode="r")
+    return arrays, (memoryview(keys), np.load(folder / "key_offsets.npy", mmap_mode="r"))
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict these files from the page cache (``posix_fadvise(DONTNEED)`` after ``sync``: no
+    root needed). Pages a live process maps stay: drop before opening."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def epochs(rows: int, seed: int, rank: int = 0, world: int = 1,
@@ -93,6 +136,22 @@ def epochs(rows: int, seed: int, rank: int = 0, world: int = 1,
     return next_epoch
 
 
+def timed_cold(factory: Factory, files: list[Path], seconds: float) -> float:
+    """Rows/s of cold epochs (at least one) for at least ``seconds``: before each, ``files`` are
+    dropped from the page cache, then the setting is opened (timed), reads one epoch and is
+    closed."""
+    count, elapsed = 0, 0.0
+    while not count or elapsed < seconds:
+        gc.collect()  # (maps of the last epoch's batches: a mapped page is not dropped)
+        drop_page_cache(files)
+        start = time.perf_counter()
+        run, close = factory(0, 1)
+        count += run()
+        elapsed += time.perf_counter() - start
+        close()
+    return count / elapsed
+
+
 def timed(run_epoch: Callable[[], int], seconds: float) -> float:
     """Rows/s of whole epochs run for at least ``seconds`` (after one untimed epoch: warm)."""
     run_epoch()
@@ -105,19 +164,29 @@ def timed(run_epoch: Callable[[], int], seconds: float) -> float:
 
 
 def limit_epoch(arrays: dict[str, np.ndarray], names: list[str],
-                next_epoch: Callable[[], list[np.ndarray]]) -> Callable[[], int]:
+                next_epoch: Callable[[], list[np.ndarray]], keys: Keys | None = None,
+                ) -> Callable[[], int]:
+    """The limit: ``np.take`` a fixed column, and (``keys``) each row's key sliced from the
+    memmapped bytes and made a ``str``."""
+    fixed = [n for n in names if n != "key"]
+
     def run() -> int:
         count = 0
         for index in next_epoch():
-            batch = {n: torch.from_numpy(np.take(arrays[n], index, axis=0)) for n in names}
-            count += len(batch[names[0]])
+            batch: dict[str, Any] = {n: torch.from_numpy(np.take(arrays[n], index, axis=0))
+                                     for n in fixed}
+            if keys is not None:
+                values, offsets = keys
+                starts, stops = offsets[index].tolist(), offsets[index + 1].tolist()
+                batch["key"] = [str(values[a:b], "utf-8") for a, b in zip(starts, stops)]
+            count += len(batch[fixed[0]])
         return count
     return run
 
 
 def read_batch_epoch(dataset: CachedDataset, next_epoch: Callable[[], list[np.ndarray]],
                      ) -> Callable[[], int]:
-    name = dataset.columns[0]
+    name = dataset.columns[-1]
 
     def run() -> int:
         count = 0
@@ -180,6 +249,91 @@ def ranked(factory: Factory, world: int, seconds: float) -> float:
     return sum(g[1] for g in got) / max(g[2] for g in got)
 
 
+def settings_for(cache: Path, folder: Path, rows: int, cold: bool,
+                 ) -> dict[str, tuple[str, Factory]]:
+    """Each setting's name -> (the name of its limit, its factory); see the module docstring.
+    The limit's memmaps are opened in the factory: a cold epoch opens them afresh."""
+    def limit(names: list[str]) -> Factory:
+        def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
+            arrays, keys = open_limit(folder)
+            return (limit_epoch(arrays, names, epochs(rows, 0, rank, world),
+                                keys if "key" in names else None), lambda: None)
+        return make
+
+    def loader(names: list[str], workers: int, **options: Any) -> Factory:
+        def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
+            dataset = CachedDataset(cache, columns=names)
+            given = dict(options, rank=rank, world_size=world) if world > 1 else options
+            return (loader_epoch(make_loader(dataset, BATCH, num_workers=workers, **given),
+                                 "label"), dataset.close)
+        return make
+
+    def read_batch(names: list[str]) -> Factory:
+        def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
+            dataset = CachedDataset(cache, columns=names)
+            return read_batch_epoch(dataset, epochs(rows, 0)), dataset.close
+        return make
+
+    fixed: dict[str, tuple[str, Factory]] = {
+        "limit": ("limit", limit(ALL)),
+        "read_batch(storage_order=True)": ("limit", read_batch(ALL)),
+        "make_loader(num_workers=0)": ("limit", loader(ALL, 0)),
+        "make_loader(num_workers=2) threads": ("limit", loader(ALL, 2, worker_kind="threads")),
+    }
+    if cold:
+        return {f"cold {name}": (f"cold {limit_name}", factory)
+                for name, (limit_name, factory) in fixed.items()}
+    return {
+        **fixed,
+        "label limit": ("label limit", limit(["label"])),
+        "label read_batch": ("label limit", read_batch(["label"])),
+        "label make_loader(0)": ("label limit", loader(["label"], 0, seed=1)),
+        "landmarks limit": ("landmarks limit", limit(["landmarks"])),
+        "landmarks read_batch": ("landmarks limit", read_batch(["landmarks"])),
+        "mixed limit": ("mixed limit", limit(MIXED)),
+        "mixed read_batch": ("mixed limit", read_batch(MIXED)),
+        "mixed make_loader(0)": ("mixed limit", loader(MIXED, 0)),
+        "key+label limit": ("key+label limit", limit(["key", "label"])),
+        "key+label read_batch": ("key+label limit", read_batch(["key", "label"])),
+    }
+
+
+def measure(settings: dict[str, tuple[str, Factory]], args: argparse.Namespace,
+            files: list[Path], closers: list[Callable[[], None]],
+            ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each setting's rates and ratios to its limit, one a round."""
+    if args.cold:
+        runs: dict[str, Callable[[], float]] = {
+            name: (lambda f=factory: timed_cold(f, files, args.seconds))
+            for name, (_, factory) in settings.items()}
+    elif args.ranks > 1:
+        runs = {name: (lambda f=factory: ranked(f, args.ranks, args.seconds))
+                for name, (_, factory) in settings.items()}
+    else:  # opened once, in this process, in the order above
+        runs = {}
+        for name, (_, factory) in list(settings.items()):
+            try:
+                run, close = factory(0, 1)
+            except (TypeError, AttributeError, ImportError) as error:  # an older tree
+                print(f"skipped {name}: {error}", file=sys.stderr)
+                del settings[name]
+                continue
+            closers.append(close)
+            runs[name] = (lambda r=run: timed(r, args.seconds))
+    only = [s for s in args.only.split(",") if s]
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    ratios: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(args.rounds):
+        got = {}
+        for name in settings:
+            if not only or name in only or name.endswith("limit"):
+                got[name] = runs[name]()
+        for name, rate in got.items():
+            rates[name].append(rate)
+            ratios[name].append(rate / got[settings[name][0]])
+    return rates, ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=12000)
@@ -190,74 +344,30 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the cache and .npy files")
     parser.add_argument("--ranks", type=int, default=1,
                         help="forked processes (ranks) reading their shares together")
+    parser.add_argument("--cold", action="store_true",
+                        help="cold epochs (files dropped from the page cache before each)")
     args = parser.parse_args()
+    if args.cold and args.ranks > 1:
+        parser.error("--cold runs in one process: leave out --ranks")
     made = not args.work.exists()
     closers: list[Callable[[], None]] = []
     try:
         cache = build(args.work, args.rows)
-        arrays = export(cache, args.work / "limit")
-        rows = len(arrays["label"])
+        export(cache, args.work / "limit")
         counted = CachedDataset(cache, columns=["label"])
-        shards = len(np.unique(counted.shard_ids))
+        rows, shards = len(counted), len(np.unique(counted.shard_ids))
         counted.close()
-
-        def limit(names: list[str]) -> Factory:
-            return lambda rank, world: (limit_epoch(arrays, names, epochs(rows, 0, rank, world)),
-                                        lambda: None)
-
-        def loader(names: list[str], workers: int, **options: Any) -> Factory:
-            def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
-                dataset = CachedDataset(cache, columns=names)
-                given = dict(options, rank=rank, world_size=world) if world > 1 else options
-                return (loader_epoch(make_loader(dataset, BATCH, num_workers=workers, **given),
-                                     "label"), dataset.close)
-            return make
-
-        def read_batch(names: list[str]) -> Factory:
-            def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
-                dataset = CachedDataset(cache, columns=names)
-                return read_batch_epoch(dataset, epochs(rows, 0)), dataset.close
-            return make
-
-        settings: dict[str, tuple[str, Factory]] = {
-            "limit": ("limit", limit(ALL)),
-            "read_batch(storage_order=True)": ("limit", read_batch(ALL)),
-            "make_loader(num_workers=0)": ("limit", loader(ALL, 0)),
-            "make_loader(num_workers=2) threads": ("limit", loader(ALL, 2, worker_kind="threads")),
-            "label limit": ("label limit", limit(["label"])),
-            "label read_batch": ("label limit", read_batch(["label"])),
-            "label make_loader(0)": ("label limit", loader(["label"], 0, seed=1)),
-            "landmarks limit": ("landmarks limit", limit(["landmarks"])),
-            "landmarks read_batch": ("landmarks limit", read_batch(["landmarks"])),
-        }
+        settings = settings_for(cache, args.work / "limit", rows, args.cold)
         if args.ranks > 1:  # the loaders and their limits only
             settings = {name: setting for name, setting in settings.items()
                         if "read_batch" not in name and not name.startswith("landmarks")}
-            runs: dict[str, Callable[[], float]] = {
-                name: (lambda f=factory: ranked(f, args.ranks, args.seconds))
-                for name, (_, factory) in settings.items()}
-        else:  # opened once, in this process, in the order above
-            runs = {}
-            for name, (_, factory) in settings.items():
-                run, close = factory(0, 1)
-                closers.append(close)
-                runs[name] = (lambda r=run: timed(r, args.seconds))
-        only = [s for s in args.only.split(",") if s]
-        rates: dict[str, list[float]] = {name: [] for name in settings}
-        ratios: dict[str, list[float]] = {name: [] for name in settings}
-        for _ in range(args.rounds):
-            got = {}
-            for name in settings:
-                if not only or name in only or name.endswith("limit"):
-                    got[name] = runs[name]()
-            for name, rate in got.items():
-                rates[name].append(rate)
-                ratios[name].append(rate / got[settings[name][0]])
+        files = sorted((cache / "shards").iterdir()) + sorted((args.work / "limit").iterdir())
+        rates, ratios = measure(settings, args, files, closers)
         where = (f"{args.ranks} ranks on this node (forked; all ranks' rows over the slowest "
                  "rank's time)" if args.ranks > 1 else "one process")
-        print(f"{rows:,} rows in {shards} shards, batch {BATCH}, full shuffle, warm, {where}; "
-              f"median of {args.rounds} rounds; precache "
-              f"{precache.__file__.rsplit('/precache/', 1)[0]}")
+        print(f"{rows:,} rows in {shards} shards, batch {BATCH}, full shuffle, "
+              f"{'cold' if args.cold else 'warm'}, {where}; median of {args.rounds} rounds; "
+              f"precache {precache.__file__.rsplit('/precache/', 1)[0]}")
         print("| reader | rows/s | vs limit |")
         print("|---|---:|---:|")
         for name in settings:
