@@ -109,7 +109,7 @@ class EpochRecords(L.Callback):
             out, strategy, precision, epochs, 0)
 
     def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-        self.log = MetricLog(self.out, trainer.global_rank)
+        self.log = MetricLog(self.out, trainer.global_rank, epochs=self.epochs)
 
     def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.started = self.ready = time.perf_counter()
@@ -127,7 +127,7 @@ class EpochRecords(L.Callback):
         elapsed = time.perf_counter() - self.started
         self.seen += self.samples
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        self.log.epoch(epoch=trainer.current_epoch, step=trainer.global_step,
+        self.log.epoch(seconds=elapsed, epoch=trainer.current_epoch, step=trainer.global_step,
                        train_loss=metrics.pop("train_loss", float("nan")),
                        samples_per_s=self.samples / elapsed, data_wait=self.wait / elapsed,
                        world_size=trainer.world_size, strategy=self.strategy,
