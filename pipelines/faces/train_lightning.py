@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=1, help="processes (GPUs) per node")
     p.add_argument("--num-nodes", type=int, default=1)
     args = p.parse_args(argv)
-    check_cache(p, args.cache, "faces", ["image", "landmarks5"])
     precision = args.precision if args.precision != "auto" else auto_precision(
         torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     check_hardware(args.strategy, precision)
+    check_cache(p, args.cache, "faces", ["image", "landmarks5"])
     L.seed_everything(args.seed, workers=True)
     data = CacheDataModule(args.cache, args.batch_size,
                            columns=AUGMENT_COLUMNS + (["key"] if args.log_keys else []),
