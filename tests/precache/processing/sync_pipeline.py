@@ -27,6 +27,17 @@ from tests.counting_pipeline import pipeline as counting
 
 TIMEOUT_S = 60.0
 
+# `python -c RUN_WAITING SYNC_PIPELINE INPUT OUTPUT`: a run that waits for the cache's lock
+# (precache.run(..., wait=True)), for tests that start two runs at once; prints its summary.
+SYNC_PIPELINE = __file__
+RUN_WAITING = """
+import sys
+import precache
+summary = precache.run(sys.argv[1], sys.argv[2], sys.argv[3], workers=1, progress=False,
+                       wait=True, log=lambda line: None)
+print(summary.computed, summary.published, summary.generation, flush=True)
+"""
+
 
 def logged_pids(log: str) -> set[str]:
     """The processes that logged a call to the counting pipeline's log."""

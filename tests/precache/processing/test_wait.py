@@ -17,16 +17,8 @@ import pytest
 import precache
 from precache.cli import main
 from tests.helpers import REPO, wait_until, write_photos
+from tests.precache.processing.sync_pipeline import RUN_WAITING as FIRST, SYNC_PIPELINE
 
-SYNC_PIPELINE = str(Path(__file__).with_name("sync_pipeline.py"))
-
-FIRST = """
-import sys
-import precache
-summary = precache.run(sys.argv[1], sys.argv[2], sys.argv[3], workers=1, progress=False,
-                       wait=True, log=lambda line: None)
-print(summary.computed, summary.published, summary.generation, flush=True)
-"""
 
 
 def test_two_processes_run_at_once_with_wait_one_computes_and_one_publishes(

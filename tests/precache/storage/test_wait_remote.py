@@ -16,7 +16,7 @@ import pytest
 import precache
 from precache.storage import Store
 from tests.helpers import REPO, wait_until, write_photos
-from tests.precache.processing.test_wait import FIRST, SYNC_PIPELINE
+from tests.precache.processing.sync_pipeline import RUN_WAITING as FIRST, SYNC_PIPELINE
 
 
 def test_a_run_waits_for_the_lease_of_a_run_on_another_machine_and_computes_nothing(
