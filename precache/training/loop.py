@@ -257,7 +257,7 @@ def fit(task: Task, settings: Settings) -> None:
     batches_per_epoch = _batches(loader)
     every = timeline_every(settings.timeline_every, batches_per_epoch)
     cached = loader.cached_dataset()  # a CacheBacked dataset, or None
-    encoded = bool(getattr(cached, "encoded_columns", None))  # a CachedDataset's JPEG columns
+    encoded = cached is not None and bool(cached.encoded_columns)  # JPEG/WebP columns (CacheBacked)
     decoded_on = None if not encoded else "cpu" if cached.decode_images else "device"
     log.run(device=device.type, world_size=world, workers=workers,
             worker_kind=loader.worker_kind,
