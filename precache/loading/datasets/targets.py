@@ -21,6 +21,8 @@ def class_targets(values: Sequence[Any] | np.ndarray) -> tuple[list[Any], np.nda
         ValueError: the column holds values that are neither all integers nor all strings.
     """
     array = np.asarray(values)
+    if array.size == 0:
+        return [], np.empty(0, np.int64)
     if array.dtype.kind in "iub":
         kind: type = int
     elif array.dtype.kind in "UO" and all(isinstance(v, str) for v in array.tolist()):
