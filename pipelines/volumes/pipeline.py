@@ -1,7 +1,7 @@
 """``volumes``: read 3D images once: reorient to RAS, resample, clip and scale intensities, crop.
 
     precache run volumes --input scans/ --output cache/ --set spacing=2 --set shape=64
-    precache run volumes -i organmnist3d.npz -o cache/ --set shape=28
+    precache run volumes -i organmnist3d.npz -o cache/ --set shape=28 --set normalise=none
     precache run volumes -i ct/ -o cache/ --set window=-1000,400 --set spacing=1.5,1.5,3 \
         --set shape=128,128,96 --set foreground=0.05 --set labels=meta.csv
     precache run volumes -i big/ -o cache/ --set max_voxels=1073741824   # inputs over 2^29 voxels
@@ -9,6 +9,9 @@
 Inputs: NIfTI (``.nii``, ``.nii.gz``; a 4D file gives one row per volume), ``.npy`` (one volume,
 or a stack N x D x H x W) and MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
 ``val_`` / ``test_``: one row per volume, with its label and ``split``).
+
+Intensities are clipped to ``window`` (or the ``percentiles``) and scaled to 0..1 by default;
+``normalise=none`` keeps the input's values (inputs already normalised: MedMNIST's 0..255).
 
 Columns: ``volume`` (``shape``, ``dtype``: uint8 = round(255 x the 0..1 intensity) by default),
 ``affine`` (4 x 4 float64: stored voxel index -> world mm, after resampling and cropping),
@@ -33,13 +36,14 @@ from precache.processing.pipeline import Pipeline
 def make_ops(spacing: tuple = (0.0,), shape: tuple = (64,), percentiles: tuple = (0.5, 99.5),
              window: tuple = (0.0, 0.0), dtype: str = "uint8", foreground: float = 0.0,
              margin: int = 2, labels: str = "folder",
-             max_voxels: int = DEFAULT_MAX_VOXELS) -> list[Op]:
+             max_voxels: int = DEFAULT_MAX_VOXELS, normalise: str = "scale") -> list[Op]:
     """Decode and reorient (refusing inputs over ``max_voxels`` voxels, all volumes together,
     before decompressing them); resample to ``spacing`` mm (0: keep); clip to ``window`` (or the
-    ``percentiles``) and scale to ``dtype``; crop to voxels over ``foreground`` (0: off) with
-    ``margin``; centre pad / crop to ``shape``; label (``labels``: folder, none, or a file)."""
+    ``percentiles``) and scale to 0..1, or keep the values (``normalise=none``), as ``dtype``;
+    crop to voxels over ``foreground`` (0: off) with ``margin``; centre pad / crop to ``shape``; label (``labels``: folder, none, or a file)."""
     return [DecodeVolume(max_voxels=max_voxels), Resample(spacing=spacing),
-            NormaliseIntensity(percentiles=percentiles, window=window, dtype=dtype),
+            NormaliseIntensity(percentiles=percentiles, window=window, dtype=dtype,
+                               normalise=normalise),
             CropForeground(threshold=foreground, margin=margin), FitShape(shape=shape),
             VolumeLabels(labels=labels)]
 

@@ -14,7 +14,7 @@ import pytest
 
 from precache import Cache
 from precache.loading import CachedDataset
-from precache.processing.ops.volume import FitShape, Resample
+from precache.processing.ops.volume import FitShape, NormaliseIntensity, Resample
 from tests.helpers import REPO, build_cache, load_script
 
 NIBABEL_DATA = Path(nib.__file__).parent / "tests" / "data"
@@ -118,6 +118,38 @@ def test_a_medmnist_npz_gives_one_row_per_volume_with_its_label_and_split(tmp_pa
             assert row["split"] == split and row["label"] == str(int(label[0]))
             # percentiles rescale, but the order of intensities is kept
             assert np.corrcoef(row["volume"].ravel(), image.ravel())[0, 1] > 0.95
+
+
+def test_normalise_none_keeps_a_medmnist_npz_as_it_is(tmp_path: Path):
+    """MedMNIST volumes are 0..255 already: the default scaling moves them, normalise=none keeps
+    every voxel; an input outside uint8's range is an error row with the fix."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    make_volumes.make_npz(inputs / "set.npz", count=12, size=12)
+    np.save(inputs / "wide.npy", np.linspace(-100, 900, 12**3, dtype=np.float32).reshape(12, 12, 12))
+    build_cache(inputs, tmp_path / "cache", pipeline="volumes", workers=1,
+                params={"shape": (12,), "normalise": "none", "labels": "none"})
+    found = rows(tmp_path / "cache")
+    archive = np.load(inputs / "set.npz")
+    for split in ("train", "val", "test"):
+        for i, image in enumerate(archive[f"{split}_images"]):
+            volume = found[f"set.npz#{split}{i:06d}"]["volume"]
+            assert volume.dtype == np.uint8
+            np.testing.assert_array_equal(volume, image)
+    errors = {r["key"]: r["message"] for r in Cache(tmp_path / "cache").read_errors().to_pylist()}
+    assert set(errors) == {"wide.npy"}
+    assert "span -100..900, outside uint8's 0..255: add --set dtype=float32" in errors["wide.npy"]
+
+
+def test_normalise_none_keeps_floats_and_refuses_what_uint8_would_destroy():
+    unit = np.random.default_rng(0).random((6, 6, 6)).astype(np.float32)
+    kept = NormaliseIntensity(normalise="none", dtype="float32")({"volume": unit})["volume"]
+    np.testing.assert_array_equal(kept, unit)
+    with pytest.raises(ValueError, match="round them to 0 and 1: add --set dtype=float32"):
+        NormaliseIntensity(normalise="none")({"volume": unit})
+    with pytest.raises(ValueError, match="window and percentiles do nothing"):
+        NormaliseIntensity(normalise="none", window=(0, 255))
+    assert "normalise" not in NormaliseIntensity().params  # old caches keep their fingerprint
 
 
 def test_resample_and_fit_shape_keep_world_positions():

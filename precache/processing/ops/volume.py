@@ -1,8 +1,8 @@
 """Volume ops: the deterministic part of 3D preprocessing, done once in stage 1.
 
 ``DecodeVolume`` (read, reorient to RAS) -> ``Resample`` (to a voxel spacing in mm) ->
-``NormaliseIntensity`` (clip to percentiles or a window, scale to 0..1, store as uint8 /
-float16 / float32) -> ``CropForeground`` (optional) -> ``FitShape`` (centre pad / crop to a
+``NormaliseIntensity`` (clip to percentiles or a window, scale to 0..1, or keep the values with
+``normalise="none"``; store as uint8 / float16 / float32) -> ``CropForeground`` (optional) -> ``FitShape`` (centre pad / crop to a
 fixed shape). Every op keeps ``affine`` (voxel index of the stored volume -> world mm) up to
 date, so a prediction on the stored grid maps back onto the input's world coordinates; ``spacing``
 is the stored voxel size, ``original_shape`` / ``original_spacing`` those of the input.
@@ -24,11 +24,15 @@ from precache.processing.ops.labels import Labels
 from precache.processing.ops.volume_read import DEFAULT_MAX_VOXELS, check_max_voxels, read_volumes
 
 __all__ = ["VOLUME_EXTENSIONS", "DecodeVolume", "Resample", "NormaliseIntensity",
-           "CropForeground", "FitShape", "VolumeLabels", "triple", "VOLUME_DTYPES"]
+           "CropForeground", "FitShape", "VolumeLabels", "triple", "VOLUME_DTYPES",
+           "NORMALISE_MODES"]
 
 VOLUME_EXTENSIONS = (".nii", ".nii.gz", ".npy", ".npz")
 
 VOLUME_DTYPES = ("uint8", "float16", "float32")
+
+NORMALISE_MODES = ("scale", "none")
+"""``normalise=``: clip to a window or percentiles and scale to 0..1, or keep the values."""
 
 
 def triple(value: Any, name: str, kind: type = float) -> tuple:
@@ -157,16 +161,24 @@ class Resample(Op):
 
 
 class NormaliseIntensity(Op):
-    """Clip ``volume`` to a window and scale it to 0..1, stored as ``dtype``.
+    """Clip ``volume`` to a window and scale it to 0..1, stored as ``dtype``; or, with
+    ``normalise="none"``, keep its values and only store them as ``dtype``.
 
     The window is ``window`` when given (e.g. ``-1000,400`` for CT lungs in HU), else the
     ``percentiles`` of the volume's voxels (default 0.5 and 99.5: robust to a few hot voxels).
     ``uint8`` stores round(255 x value): 4x smaller than float32 and what MedMNIST ships.
 
+    ``normalise="none"`` is for inputs already normalised: MedMNIST ``.npz`` volumes are 0..255
+    already (scaling them again moves almost every voxel), and z-scored or 0..1 floats keep
+    their meaning with ``dtype`` ``float32``. With ``uint8`` the values are rounded (resampling
+    makes fractions); values outside 0..255, or all within 0..1 and not whole (they would round
+    to 0 and 1), fail the input with the fix.
+
     Args:
         percentiles: lower and upper percentile. Default (0.5, 99.5).
         window: fixed lower and upper intensity; (0, 0) (default): use ``percentiles``.
         dtype: ``uint8`` (default), ``float16`` or ``float32``.
+        normalise: ``scale`` (default: clip and scale to 0..1) or ``none`` (keep the values).
 
     A constant volume (the window is empty) fails: it has nothing to learn from.
     """
@@ -175,7 +187,7 @@ class NormaliseIntensity(Op):
     version = "1"
 
     def __init__(self, *, percentiles: Any = (0.5, 99.5), window: Any = (0.0, 0.0),
-                 dtype: str = "uint8") -> None:
+                 dtype: str = "uint8", normalise: str = "scale") -> None:
         self.percentiles = tuple(float(p) for p in percentiles)
         self.window = tuple(float(w) for w in window)
         if len(self.percentiles) != 2 or not 0 <= self.percentiles[0] < self.percentiles[1] <= 100:
@@ -186,31 +198,63 @@ class NormaliseIntensity(Op):
                              f"{window!r}")
         if dtype not in VOLUME_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(VOLUME_DTYPES)}, not {dtype!r}")
-        self.dtype = dtype
+        if normalise not in NORMALISE_MODES:
+            raise ValueError(f"normalise must be one of {', '.join(NORMALISE_MODES)}, not "
+                             f"{normalise!r}")
+        if normalise == "none" and (any(self.window) or self.percentiles != (0.5, 99.5)):
+            raise ValueError("normalise=none keeps the input's values, so window and percentiles "
+                             "do nothing: drop them, or use normalise=scale")
+        self.dtype, self.normalise = dtype, normalise
 
     @property
     def params(self) -> dict[str, Any]:
-        return {"percentiles": list(self.percentiles), "window": list(self.window),
-                "dtype": self.dtype}
+        params = {"percentiles": list(self.percentiles), "window": list(self.window),
+                  "dtype": self.dtype}
+        if self.normalise != "scale":  # the default keeps the fingerprint of caches built before
+            params["normalise"] = self.normalise
+        return params
 
     def __call__(self, sample: Sample) -> Sample:
         volume = sample["volume"]
+        if self.normalise == "none":
+            return dict(sample, volume=self._kept(volume))
         if any(self.window):
             low, high = self.window
         else:
             low, high = (float(v) for v in np.percentile(volume, self.percentiles))
         if not high > low:
-            lo, hi = float(volume.min()), float(volume.max())
-            if hi <= lo:
-                raise ValueError(f"constant volume (every voxel is {lo:g}): nothing to learn "
-                                 "from; remove the file or check its export")
-            low, high = lo, hi  # a mostly constant volume: its full range
+            low, high = _full_range(volume)  # a mostly constant volume: its full range
         scaled = np.clip((volume - low) / (high - low), 0.0, 1.0)
         if self.dtype == "uint8":
             out = np.rint(scaled * 255).astype(np.uint8)
         else:
             out = scaled.astype(self.dtype)
         return dict(sample, volume=out)
+
+    def _kept(self, volume: np.ndarray) -> np.ndarray:
+        """``volume``'s own values as ``dtype`` (normalise=none); ValueError where uint8 would
+        change them by more than rounding."""
+        low, high = _full_range(volume)
+        if self.dtype != "uint8":
+            return volume.astype(self.dtype)
+        rounded = np.rint(volume)
+        if low < -0.5 or high >= 255.5:
+            raise ValueError(f"normalise=none keeps the values, but they span {low:g}..{high:g}, "
+                             "outside uint8's 0..255: add --set dtype=float32 (or "
+                             "normalise=scale)")
+        if high <= 1 and not np.array_equal(rounded, volume):
+            raise ValueError(f"normalise=none keeps the values, but they lie in {low:g}..{high:g} "
+                             "and uint8 would round them to 0 and 1: add --set dtype=float32")
+        return rounded.astype(np.uint8)
+
+
+def _full_range(volume: np.ndarray) -> tuple[float, float]:
+    """The volume's min and max; ValueError for a constant volume (nothing to learn from)."""
+    low, high = float(volume.min()), float(volume.max())
+    if high <= low:
+        raise ValueError(f"constant volume (every voxel is {low:g}): nothing to learn "
+                         "from; remove the file or check its export")
+    return low, high
 
 
 class CropForeground(Op):
