@@ -4,7 +4,10 @@ Each block runs in a folder of its own, a copy of one small workspace built once
 (the paths the docs use: ``data/samples`` and its faces cache ``data/cache``, ``data/videos`` and
 ``data/video_cache``, ``data/corpus`` and ``data/text_cache``, ``photos/``). A Python block runs
 as a script (``__name__ == "__main__"``) in this process; a bash block runs under ``bash -eu``
-with this environment's ``precache`` and ``python`` first on PATH.
+with this environment's bin folder (``.venv/bin``) taken off PATH, as in a new shell, and put
+back first only where the reader has been told to activate it: in the README after it says
+``source .venv/bin/activate``, on every docs page (read after the README). So a README whose
+commands need the venv but never say to activate it fails here, as it would for a new user.
 
 A block that cannot run here (a GPU, a cluster, a bucket, minutes of work, placeholder paths)
 is preceded by ``<!-- not run: REASON -->``: it is reported as skipped with that reason, and a
@@ -33,6 +36,9 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = {"python", "bash"}
 NOT_RUN = re.compile(r"^<!--\s*not run:(.*?)-->\s*$")
 README_MAX_LINES = 300
+ACTIVATE = "source .venv/bin/activate"
+VENV_COMMAND = re.compile(r"^\s*(precache|python3?|torchrun)\b", re.M)
+"""A line that calls a command the venv provides (not ``.venv/bin/python``, which needs none)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,25 @@ def block_folder(workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 # --- the blocks -----------------------------------------------------------------------------------
 
+def activated(block: Block) -> bool:
+    """Whether the reader has activated the venv by this block: on a docs page always; in the
+    README once its text before the block says ``source .venv/bin/activate``."""
+    if block.page.name != "README.md":
+        return True
+    before = block.page.read_text(encoding="utf-8").split("\n")[:block.line - 1]
+    return ACTIVATE in "\n".join(before)
+
+
+def new_shell_path() -> str:
+    """PATH as in a new shell: without this environment's bin folder (nor any other folder that
+    holds a ``precache`` or ``torchrun`` command, so none is found by accident)."""
+    venv_bin = Path(sys.executable).parent.resolve()
+    kept = [entry for entry in os.environ["PATH"].split(os.pathsep)
+            if entry and Path(entry).resolve() != venv_bin
+            and not any((Path(entry) / name).is_file() for name in ("precache", "torchrun"))]
+    return os.pathsep.join(kept)
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
 def test_block_runs(block: Block, block_folder: Path) -> None:
     if block.marker is not None:
@@ -153,11 +178,26 @@ def test_block_runs(block: Block, block_folder: Path) -> None:
         return
     script = block_folder / "block.sh"
     script.write_text(block.code, encoding="utf-8")
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    path = new_shell_path()
+    if activated(block):  # what `source .venv/bin/activate` does to PATH
+        path = f"{Path(sys.executable).parent}{os.pathsep}{path}"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     done = subprocess.run(["bash", "-eu", "-o", "pipefail", str(script)], cwd=block_folder,
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, (f"{block.id} exited {done.returncode}\n{block.code}\n"
+                          env=dict(env, PATH=path), capture_output=True, text=True, timeout=180)
+    hint = "" if activated(block) else (f"\n(no `{ACTIVATE}` in {block.page.name} before this "
+                                        "block: a new user's shell has no precache, torchrun or "
+                                        "the venv's python)")
+    assert done.returncode == 0, (f"{block.id} exited {done.returncode}{hint}\n{block.code}\n"
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_commands_need_it() -> None:
+    """Run or not, a README block that calls precache, python or torchrun comes after the line
+    that activates the venv (the blocks above run without it on PATH; this covers the rest)."""
+    early = [block.id for block in read_blocks(REPO / "README.md")
+             if block.lang == "bash" and VENV_COMMAND.search(block.code) and not activated(block)]
+    assert not early, (f"README blocks call precache/python/torchrun before the README says "
+                       f"`{ACTIVATE}`: {early}")
 
 
 def test_every_block_that_is_not_run_says_why() -> None:
