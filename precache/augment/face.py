@@ -14,6 +14,7 @@ of the face.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,7 +50,10 @@ class FaceAugment:
     each process: from the DataLoader worker's seed in a worker (so workers differ, and
     ``torch.manual_seed`` makes runs repeatable), from ``seed`` in the process that built the
     object, and from ``seed`` and the pid elsewhere. ``same(samples)``, or ``groups`` for a
-    batch, gives several samples one draw (the frames of a clip, a real/fake pair).
+    batch, gives several samples one draw (the frames of a clip, a real/fake pair). Several
+    threads may call it at once (``thread_safe``): a batch's draws are taken under a lock, so
+    each batch gets its own run of the stream (which batch gets which run follows the threads'
+    timing).
 
     Args:
         flip_p (float): probability of a horizontal flip. Default: ``0.5``.
@@ -123,6 +127,11 @@ class FaceAugment:
         self._owner_pid = os.getpid()
         self._seeded_pid: int | None = None
         self._rng = np.random.default_rng(seed)
+        self._lock, self._lock_pid = threading.Lock(), os.getpid()
+
+    thread_safe = True
+    """``make_loader`` keeps its worker threads for it: the draws are taken under a lock, and
+    applying them changes nothing of the augment (OpenCV and torch release the GIL)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
@@ -164,16 +173,23 @@ class FaceAugment:
         Returns:
             The draws, for ``apply``.
         """
-        self._reseed_if_new_process()
         if groups is None:
-            return draw_face(self._rng, n, self.params, self._layout)
+            return self._draw(n)
         labels = np.asarray(groups.cpu() if isinstance(groups, torch.Tensor) else groups)
         if labels.shape != (n,):
             raise ValueError(f"groups must have shape ({n},), got {labels.shape}")
         _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
         rank = np.empty(len(first), np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-        return draw_face(self._rng, len(first), self.params, self._layout).take(rank[inverse.reshape(-1)])
+        return self._draw(len(first)).take(rank[inverse.reshape(-1)])
+
+    def _draw(self, n: int) -> FaceDraws:
+        """``n`` samples' draws, one run of the stream however many threads call at once."""
+        if self._lock_pid != os.getpid():  # a forked copy: the parent's lock may be held there
+            self._lock, self._lock_pid = threading.Lock(), os.getpid()
+        with self._lock:
+            self._reseed_if_new_process()
+            return draw_face(self._rng, n, self.params, self._layout)
 
     def apply(self, batch: dict[str, Any], draws: FaceDraws, *, form: str | None = None,
               ) -> dict[str, Any]:

@@ -53,6 +53,11 @@ class VolumeAugment:
         ValueError: a probability outside 0..1 or a negative range.
     """
 
+    thread_safe = True
+    """A call changes nothing of the augment: its draws come from a torch ``Generator``, whose
+    every call holds the generator's own lock, so ``make_loader`` keeps its worker threads. (In
+    threads, which batch gets which draws follows the threads' timing.)"""
+
     def __init__(self, *, flip_p: float = 0.5, rot90_p: float = 0.5, scale: float = 0.1,
                  shift: float = 0.1, gamma: float = 0.2, affine_p: float = 0.0,
                  degrees: float = 10.0, zoom: float = 0.1, translate: float = 0.05,

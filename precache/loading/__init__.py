@@ -2,7 +2,7 @@
 (the HF ``Trainer`` interop lives in ``precache.loading.interop.hf``, the Lightning ``CacheDataModule`` in
 ``precache.loading.interop.lightning``: they import those libraries)."""
 
-from precache.loading.samplers.length_buckets import LengthBucketSampler
+from precache.loading.samplers.length_buckets import ExactOnceBucketSampler, LengthBucketSampler
 from precache.loading.datasets.cache_backed import CacheBacked
 from precache.loading.datasets.video_clips import ClipDataset, VideoFrameDataset, collate_clips
 from precache.loading.datasets.batches import RaggedRows
@@ -19,5 +19,5 @@ from precache.loading.loaders.threaded import ThreadedBatches
 __all__ = ["CachedDataset", "DistributedShardSampler", "make_loader", "CacheLoader",
            "loader_workers", "DevicePrefetcher", "to_device", "as_nchw", "PackedBlocks",
            "ClipDataset", "VideoFrameDataset", "collate_clips", "TokenCollate",
-           "LengthBucketSampler", "RaggedRows", "ThreadedBatches", "decode_images", "decodes_on",
+           "LengthBucketSampler", "ExactOnceBucketSampler", "RaggedRows", "ThreadedBatches", "decode_images", "decodes_on",
            "PatchDataset", "CacheBacked"]

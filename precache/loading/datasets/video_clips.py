@@ -90,6 +90,9 @@ def collate_clips(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
+collate_clips.thread_safe = True  # type: ignore[attr-defined]  # no state: threads may share it
+
+
 class _VideoDataset(CacheBackedByRows):
     """What both video datasets share: the index, the inner dataset of the cache's rows
     (``rows``: ``CacheBacked`` is declared through it, with ``shard_ids`` per video), the

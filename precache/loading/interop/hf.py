@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +37,10 @@ from torch.utils.data import DataLoader
 
 from precache.cache import Cache
 from precache.cache.schema import ColumnSpec
-from precache.loading.samplers.length_buckets import LengthBucketSampler
+from precache.loading.samplers.length_buckets import ExactOnceBucketSampler, cache_lengths
 from precache.loading.datasets.cached import CachedDataset
 from precache.loading.loaders.text_collate import TokenCollate
+from precache.loading.loaders.threaded import declares_thread_safe
 
 try:
     from transformers import Trainer
@@ -63,6 +63,10 @@ class HFTokenCollate:
         column, pad_id, multiple_of: as ``TokenCollate``.
     """
 
+    thread_safe = True
+    """``TokenCollate`` and a lookup in ``label_ids``, which no call changes: ``make_loader``
+    keeps its worker threads for it."""
+
     def __init__(self, label_ids: Mapping[str, int] | None = None, *, column: str = "ids",
                  pad_id: int = 0, multiple_of: int = 8) -> None:
         self.label_ids = dict(label_ids) if label_ids is not None else None
@@ -81,67 +85,6 @@ class HFTokenCollate:
         return out
 
 
-class ExactOnceBucketSampler(LengthBucketSampler):
-    """``LengthBucketSampler`` that never repeats a sample: the samples that do not fill a last
-    global batch (``batch_size`` x ``world_size``) make a smaller last one, split over the ranks
-    as evenly as they go, instead of being padded with repeats. Which samples are left over
-    changes every epoch (with ``drop_last`` too: those are dropped).
-
-    Every rank still gets the same number of batches (DDP needs it) and every batch at least one
-    sample: when fewer samples than ranks are left over, the last two global batches share them.
-    That cannot be done with ``batch_size`` 1 (or fewer samples than ranks); then the left-over
-    samples are padded with repeats as ``LengthBucketSampler`` does, with a warning.
-
-    Args: as ``LengthBucketSampler``.
-    """
-
-    def _plan(self, remaining: np.ndarray, world: int, batch: int, part: int) -> np.ndarray:
-        size = world * batch
-        extra = len(remaining) % size
-        if not extra:
-            return super()._plan(remaining, world, batch, part)
-        rng = np.random.default_rng([self.seed, self.epoch, part, 1])
-        order = remaining[rng.permutation(len(remaining))]  # the left-over: new every epoch
-        full = len(order) - extra
-        if self.drop_last:
-            return super()._plan(order[:full], world, batch, part)
-        if extra < world:
-            full -= size  # the last two global batches share the left-over samples
-        if full < 0 or (extra < world and batch == 1):
-            warnings.warn(f"{len(remaining)} samples do not split into batches of at least one "
-                          f"sample on each of {world} ranks: {size - extra} are repeated this "
-                          "epoch (use a larger batch_size, or drop_last)", stacklevel=3)
-            return super()._plan(remaining, world, batch, part)
-        tail = order[full:]
-        rows = -(-len(tail) // size)
-        slots = np.full((rows * world, batch), -1, dtype=np.int64)  # -1: no sample
-        for j, index in enumerate(tail):  # round robin: slot sizes differ by at most one
-            slots[j % (rows * world), j // (rows * world)] = index
-        return np.concatenate([super()._plan(order[:full], world, batch, part),
-                               slots.reshape(rows, size)])
-
-    def __iter__(self) -> Iterator[list[int]]:
-        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
-        for global_batch in self._current():
-            yield [int(i) for i in global_batch[lo:hi] if i >= 0]
-
-
-def cache_lengths(dataset: Any) -> np.ndarray:
-    """The ``length`` of every row of ``dataset`` (a ``CachedDataset`` or a ``Subset`` of one)."""
-    base, rows = dataset, None
-    if isinstance(dataset, torch.utils.data.Subset):
-        base, rows = dataset.dataset, np.asarray(dataset.indices)
-    if not isinstance(base, CachedDataset):
-        raise TypeError(f"cache_lengths takes a CachedDataset or a Subset of one, not "
-                        f"{type(dataset).__name__}; pass lengths= yourself")
-    lengths_set = CachedDataset(base.path, columns=["length"], generation=base.generation)
-    try:
-        lengths = lengths_set.read_batch(range(len(lengths_set)))["length"]
-    finally:
-        lengths_set.close()
-    return np.asarray(lengths if rows is None else lengths[rows])
-
-
 class _EpochLoader(DataLoader):
     """A DataLoader whose ``set_epoch`` (called by Trainer every epoch) reaches its batch
     sampler."""
@@ -156,6 +99,7 @@ class _ModelInputs:
 
     def __init__(self, collate: Callable[[list[Any]], dict[str, Any]], keep: Sequence[str]) -> None:
         self.collate, self.keep = collate, set(keep)
+        self.thread_safe = declares_thread_safe(collate)  # as thread-safe as what it wraps
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         return {k: v for k, v in self.collate(samples).items() if k in self.keep}

@@ -44,9 +44,9 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 from precache.loading.datasets.cache_backed import CacheBacked
 from precache.loading.datasets.batches import collate_samples
 from precache.loading.datasets.cached import CachedDataset
+from precache.loading.samplers.length_buckets import ExactOnceBucketSampler, cache_lengths
 from precache.loading.samplers.shard_sampler import DistributedShardSampler
-from precache.loading.loaders.text_collate import TokenCollate
-from precache.loading.loaders.threaded import ThreadedBatches
+from precache.loading.loaders.threaded import ThreadedBatches, declares_thread_safe
 from precache.threads import guard_opencv_forks, pin_threads
 
 __all__ = ["make_loader", "CacheLoader", "loader_workers", "IndexBatch", "ReadAheadBatches",
@@ -380,7 +380,7 @@ def make_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None, read_ahead: bool = True,
     multiprocessing_context: Any = None, rank: int | None = None, world_size: int | None = None,
     worker_kind: str = "auto", batch_transform: Callable[[Any], Any] | None = None,
-    batch_sampler: Any = None,
+    batch_sampler: Any = None, bucket_by: str | None = None,
 ) -> CacheLoader:
     """A ``CacheLoader`` over ``dataset`` (usually a ``CachedDataset``).
 
@@ -408,9 +408,10 @@ def make_loader(
         worker_kind: what the ``num_workers`` workers are: ``"threads"`` of this process
             (``ThreadedBatches``: the batch is handed over as is), ``"processes"`` (DataLoader
             worker processes), or ``"auto"``: threads for a ``CachedDataset`` (or a ``Subset``
-            of one) without a per-sample ``transform`` and no ``collate_fn`` but a
-            ``TokenCollate`` (their work releases the GIL), else processes (per-sample Python
-            holds it). ``CacheLoader.worker_kind`` and ``describe()`` say which.
+            of one) without a per-sample ``transform`` whose ``collate_fn`` and
+            ``batch_transform`` (if any) declare ``thread_safe = True`` (``TokenCollate``,
+            ``FaceAugment``... do), else processes (per-sample Python holds the GIL).
+            ``CacheLoader.worker_kind`` and ``describe()`` say which, and why.
         batch_transform: applied to each collated batch by the worker that read it (a thread
             or a process), e.g. a batched ``FaceAugment``; with threads it is called from
             several threads at once.
@@ -421,6 +422,11 @@ def make_loader(
             (``BatchSamplerPosition``). Its batch size, shuffle and ranks are its own:
             ``batch_size``, ``shuffle=False``, ``drop_last``, ``shard_window``, ``rank`` and
             ``world_size`` are refused beside it.
+        bucket_by: a column of token counts (``"length"``): batches of similar lengths from an
+            ``ExactOnceBucketSampler`` (``PrecacheTrainer``'s: every sample exactly once per
+            epoch across ranks, resumable on any world size) of ``batch_size``, ``seed``,
+            ``drop_last``, ``rank`` and ``world_size``; not with ``shuffle=False`` or
+            ``shard_window``.
 
     Raises:
         ValueError: a bad ``batch_size``, ``num_workers`` or ``worker_kind``; a
@@ -430,18 +436,11 @@ def make_loader(
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {workers}")
     check_worker_kind(worker_kind)
-    if batch_sampler is None:
-        plan = _shard_sampler_batches(dataset, batch_size, workers, read_ahead, shuffle=shuffle,
-                                      seed=seed, drop_last=drop_last, shard_window=shard_window,
-                                      rank=rank, world_size=world_size)
-    else:
-        given = {"batch_size": batch_size is not None, "shuffle=False": not shuffle,
-                 "drop_last": drop_last, "shard_window": shard_window is not None,
-                 "rank": rank is not None, "world_size": world_size is not None}
-        plan = _batch_sampler_batches(batch_sampler, workers, read_ahead,
-                                      [name for name, set_ in given.items() if set_])
+    plan = _batches(dataset, workers, read_ahead, batch_sampler, bucket_by, batch_size=batch_size,
+                    shuffle=shuffle, seed=seed, drop_last=drop_last, shard_window=shard_window,
+                    rank=rank, world_size=world_size)
     pin = _pin(pin_memory)
-    kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn)
+    kind, reason = _worker_kind(dataset, workers, worker_kind, collate_fn, batch_transform)
     collate = collate_fn or collate_samples
     reader: DataLoader | ThreadedBatches
     if kind in ("threads", "none"):  # none: ThreadedBatches reads in the loop's own thread
@@ -466,8 +465,46 @@ class _Batches(NamedTuple):
     """This rank: the worker processes' seeds differ by it."""
 
 
-def _shard_sampler_batches(dataset: Any, batch_size: int | None, workers: int, read_ahead: bool,
-                           *, shuffle: bool, seed: int, drop_last: bool,
+def _batches(dataset: Any, workers: int, read_ahead: bool, batch_sampler: Any,
+             bucket_by: str | None, **options: Any) -> _Batches:
+    """``make_loader``'s batches of indices: of ``batch_sampler``, of length buckets of the
+    ``bucket_by`` column, or of a ``DistributedShardSampler`` (``options`` are its keywords)."""
+    if bucket_by is not None:
+        if batch_sampler is not None:
+            raise ValueError("make_loader: give bucket_by or batch_sampler, not both")
+        batch_sampler = _length_buckets(dataset, bucket_by, **options)
+        options = {}
+    if batch_sampler is None:
+        return _shard_sampler_batches(dataset, workers=workers, read_ahead=read_ahead, **options)
+    given = {"batch_size": options.get("batch_size") is not None,
+             "shuffle=False": not options.get("shuffle", True),
+             "drop_last": options.get("drop_last"),
+             "shard_window": options.get("shard_window") is not None,
+             "rank": options.get("rank") is not None,
+             "world_size": options.get("world_size") is not None}
+    return _batch_sampler_batches(batch_sampler, workers, read_ahead,
+                                  [name for name, set_ in given.items() if set_])
+
+
+def _length_buckets(dataset: Any, column: str, *, batch_size: int | None, shuffle: bool,
+                    seed: int, drop_last: bool, shard_window: int | None, rank: int | None,
+                    world_size: int | None) -> ExactOnceBucketSampler:
+    """``make_loader(bucket_by=column)``'s batch sampler: exact-once length buckets of the
+    column's values, refused in one line beside what it decides itself."""
+    if batch_size is None or batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    refused = [name for name, set_ in (("shuffle=False", not shuffle),
+                                        ("shard_window", shard_window is not None)) if set_]
+    if refused:
+        raise ValueError(f"make_loader: {', '.join(refused)} given beside bucket_by="
+                         f"{column!r}, whose batches are shuffled length buckets; leave "
+                         f"{' and '.join(refused)} out, or bucket_by")
+    return ExactOnceBucketSampler(cache_lengths(dataset, column), batch_size, seed=seed,
+                                  drop_last=drop_last, rank=rank, world_size=world_size)
+
+
+def _shard_sampler_batches(dataset: Any, batch_size: int | None, *, workers: int,
+                           read_ahead: bool, shuffle: bool, seed: int, drop_last: bool,
                            shard_window: int | None, rank: int | None,
                            world_size: int | None) -> _Batches:
     """Batches of ``batch_size`` of a ``DistributedShardSampler``'s indices (the keywords are
@@ -558,8 +595,10 @@ class _CollateThen:
 
 
 def _worker_kind(dataset: Any, workers: int, asked: str,
-                 collate_fn: Callable[[list[Any]], Any] | None) -> tuple[str, str]:
-    """(``"threads"``, ``"processes"`` or ``"none"``, why) for ``make_loader``."""
+                 collate_fn: Callable[[list[Any]], Any] | None,
+                 batch_transform: Callable[[Any], Any] | None) -> tuple[str, str]:
+    """(``"threads"``, ``"processes"`` or ``"none"``, why) for ``make_loader``: threads only
+    where every call a batch makes releases the GIL or declares itself thread-safe."""
     if workers == 0:
         return "none", "num_workers=0: batches are read by the training loop itself"
     if asked != "auto":
@@ -570,10 +609,18 @@ def _worker_kind(dataset: Any, workers: int, asked: str,
                              "work per sample could hold the GIL")
     if base.transform is not None:
         return "processes", "the dataset has a per-sample transform, which holds the GIL"
-    if collate_fn is not None and not isinstance(collate_fn, TokenCollate):
-        return "processes", "a collate_fn was given, which may do Python work per sample"
-    return "threads", ("the cache's own columns: gather, decode, batched augmentation and "
-                       "TokenCollate's padding release the GIL")
+    declared = []
+    for role, function in (("collate_fn", collate_fn), ("batch_transform", batch_transform)):
+        if function is None or function is collate_samples:
+            continue
+        name = getattr(function, "__name__", None) or type(function).__name__
+        if not declares_thread_safe(function):
+            return "processes", (f"the {role} {name} does not declare thread_safe = True, so "
+                                 "it may do Python work per sample or share state between "
+                                 "threads (set the attribute if it is thread-safe)")
+        declared.append(f"{role} {name}")
+    return "threads", ("the cache's own columns: gather and decode release the GIL"
+                       + (f"; {' and '.join(declared)} declare thread_safe" if declared else ""))
 
 
 def _beneath_subsets(dataset: Any, found: Callable[[Any], bool]) -> Any:

@@ -41,6 +41,10 @@ class TokenCollate:
         multiple_of: round the padded length up to a multiple of this.
     """
 
+    thread_safe = True
+    """Nothing changes per call and the padding is a few NumPy calls: ``make_loader`` keeps
+    its worker threads for it."""
+
     def __init__(self, column: str = "ids", pad_id: int = 0, multiple_of: int = 8) -> None:
         if multiple_of < 1:
             raise ValueError(f"multiple_of must be >= 1, not {multiple_of}")

@@ -39,7 +39,17 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-__all__ = ["ThreadedBatches", "pinned_empty"]
+__all__ = ["ThreadedBatches", "pinned_empty", "declares_thread_safe"]
+
+
+def declares_thread_safe(function: Any) -> bool:
+    """Whether a collate or batch transform says it may run in several threads at once: an
+    attribute ``thread_safe = True`` (precache's ``TokenCollate``, ``HFTokenCollate``,
+    ``collate_clips``, ``FaceAugment``, ``VolumeAugment`` have it; a user's callable may too).
+    It promises no state changed per call that another thread could see half-done, and work
+    that mostly releases the GIL (NumPy, OpenCV, torch); ``make_loader(worker_kind="auto")``
+    keeps threads only for callables that declare it."""
+    return getattr(function, "thread_safe", False) is True
 
 
 def _torch_dtypes() -> dict[np.dtype, torch.dtype]:

@@ -12,18 +12,25 @@ global batch minus one sample per epoch), or dropped with ``drop_last``.
 After every rank has taken k batches, the samples seen are exactly those of the first k global
 batches. A resume on another world size replays that plan to find them and plans the rest anew
 for the new world size, so the state is a short list of ``(world_size, batch_size, batches)``.
+
+``ExactOnceBucketSampler`` (``PrecacheTrainer``'s and ``make_loader(bucket_by=...)``'s) repeats
+nothing: the left-over samples make a smaller last global batch. ``cache_lengths`` reads the
+lengths from a cache's column.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, Subset
 
-__all__ = ["LengthBucketSampler"]
+from precache.loading.datasets.cached import CachedDataset
+
+__all__ = ["LengthBucketSampler", "ExactOnceBucketSampler", "cache_lengths"]
 
 
 class LengthBucketSampler(Sampler[list[int]]):
@@ -123,3 +130,75 @@ class LengthBucketSampler(Sampler[list[int]]):
         self.epoch = int(state["epoch"])
         self._done = [tuple(int(v) for v in d) for d in state["done"]]  # type: ignore[misc]
         self._resumed_epoch = self.epoch
+
+
+class ExactOnceBucketSampler(LengthBucketSampler):
+    """``LengthBucketSampler`` that never repeats a sample: the samples that do not fill a last
+    global batch (``batch_size`` x ``world_size``) make a smaller last one, split over the ranks
+    as evenly as they go, instead of being padded with repeats. Which samples are left over
+    changes every epoch (with ``drop_last`` too: those are dropped).
+
+    Every rank still gets the same number of batches (DDP needs it) and every batch at least one
+    sample: when fewer samples than ranks are left over, the last two global batches share them.
+    That cannot be done with ``batch_size`` 1 (or fewer samples than ranks); then the left-over
+    samples are padded with repeats as ``LengthBucketSampler`` does, with a warning.
+
+    Args: as ``LengthBucketSampler``.
+    """
+
+    def _plan(self, remaining: np.ndarray, world: int, batch: int, part: int) -> np.ndarray:
+        size = world * batch
+        extra = len(remaining) % size
+        if not extra:
+            return super()._plan(remaining, world, batch, part)
+        rng = np.random.default_rng([self.seed, self.epoch, part, 1])
+        order = remaining[rng.permutation(len(remaining))]  # the left-over: new every epoch
+        full = len(order) - extra
+        if self.drop_last:
+            return super()._plan(order[:full], world, batch, part)
+        if extra < world:
+            full -= size  # the last two global batches share the left-over samples
+        if full < 0 or (extra < world and batch == 1):
+            warnings.warn(f"{len(remaining)} samples do not split into batches of at least one "
+                          f"sample on each of {world} ranks: {size - extra} are repeated this "
+                          "epoch (use a larger batch_size, or drop_last)", stacklevel=3)
+            return super()._plan(remaining, world, batch, part)
+        tail = order[full:]
+        rows = -(-len(tail) // size)
+        slots = np.full((rows * world, batch), -1, dtype=np.int64)  # -1: no sample
+        for j, index in enumerate(tail):  # round robin: slot sizes differ by at most one
+            slots[j % (rows * world), j // (rows * world)] = index
+        return np.concatenate([super()._plan(order[:full], world, batch, part),
+                               slots.reshape(rows, size)])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for global_batch in self._current():
+            yield [int(i) for i in global_batch[lo:hi] if i >= 0]
+
+
+def cache_lengths(dataset: Any, column: str = "length") -> np.ndarray:
+    """The ``column`` value (a token count: the text pipeline's ``length``) of every row of
+    ``dataset``, a ``CachedDataset`` or a ``Subset`` of one, in its order: read through the
+    dataset itself when it reads that column, else through a dataset of that column alone on
+    the same generation.
+
+    Raises:
+        TypeError: ``dataset`` is not a ``CachedDataset`` or a ``Subset`` of one.
+        KeyError: the cache has no such column.
+    """
+    base, rows = dataset, None
+    if isinstance(dataset, Subset):
+        base, rows = dataset.dataset, np.asarray(dataset.indices, dtype=np.int64)
+    if not isinstance(base, CachedDataset):
+        raise TypeError(f"cache_lengths takes a CachedDataset or a Subset of one, not "
+                        f"{type(dataset).__name__}; pass lengths= yourself")
+    if column in base.columns:
+        lengths = np.asarray(base.read_column(column))
+    else:
+        alone = CachedDataset(base.path, columns=[column], generation=base.generation)
+        try:
+            lengths = np.asarray(alone.read_column(column))
+        finally:
+            alone.close()
+    return lengths if rows is None else lengths[rows]
