@@ -39,6 +39,7 @@ from precache.cache import Cache
 from precache.cache.schema import ColumnSpec
 from precache.loading.samplers.length_buckets import ExactOnceBucketSampler, cache_lengths
 from precache.loading.datasets.cached import CachedDataset
+from precache.loading.datasets.targets import class_targets
 from precache.loading.loaders.text_collate import TokenCollate
 from precache.loading.loaders.threaded import declares_thread_safe
 
@@ -181,11 +182,13 @@ def _features(schema: Mapping[str, ColumnSpec], columns: Sequence[str]) -> Any:
     return Features(features)
 
 
-def _rows(cache: str, columns: str, generation: int, identity: str,
-          chunk: int = 1024) -> Iterator[dict[str, Any]]:
+def _rows(cache: str, columns: str, generation: int, identity: str, target: str = "",
+          classes: str = "[]", chunk: int = 1024) -> Iterator[dict[str, Any]]:
     """Rows of one generation of a cache as plain Python values, read ``chunk`` rows at a
-    time. ``columns`` is comma-joined (``from_generator`` would split a list into shards);
-    ``identity`` only makes ``datasets``' fingerprint of the call differ per cache content."""
+    time, the ``target`` column as its value's index in ``classes`` (JSON). ``columns`` is
+    comma-joined (``from_generator`` would split a list into shards); ``identity`` only makes
+    ``datasets``' fingerprint of the call differ per cache content."""
+    index = {value: i for i, value in enumerate(json.loads(classes))}
     dataset = CachedDataset(cache, columns=columns.split(","), generation=generation)  # held
     try:
         for start in range(0, len(dataset), chunk):
@@ -193,6 +196,8 @@ def _rows(cache: str, columns: str, generation: int, identity: str,
             part = {k: (v.tolist() if isinstance(v, np.ndarray) else
                         [x.tolist() if isinstance(x, np.ndarray) else x for x in v])
                     for k, v in part.items()}
+            if target:
+                part[target] = [index[value] for value in part[target]]
             names = list(part)
             for values in zip(*part.values()):
                 yield dict(zip(names, values))
@@ -200,8 +205,22 @@ def _rows(cache: str, columns: str, generation: int, identity: str,
         dataset.close()
 
 
+def _class_label(cache: str, column: str, generation: int) -> tuple[list[Any], Any]:
+    """The classes of a target column (``class_targets``' rule) and its ``ClassLabel``, whose
+    names are the classes as strings (integer classes too: ``ClassLabel`` names are str)."""
+    from datasets import ClassLabel
+
+    dataset = CachedDataset(cache, columns=[column], generation=generation)
+    try:
+        classes, _ = class_targets(dataset.read_column(column))
+    finally:
+        dataset.close()
+    return classes, ClassLabel(names=[str(c) for c in classes])
+
+
 def to_hf_dataset(cache: str | os.PathLike[str], columns: Sequence[str] | None = None, *,
-                  cache_dir: str | None = None, generation: int | None = None) -> Any:
+                  cache_dir: str | None = None, generation: int | None = None,
+                  target: str | None = None) -> Any:
     """The cache as a ``datasets.Dataset``: Arrow in ``datasets``' cache folder, memory-mapped.
     Ragged columns (token ids) are list columns of their integer type, strings strings, scalars
     values, fixed-shape arrays ``ArrayND``.
@@ -219,12 +238,16 @@ def to_hf_dataset(cache: str | os.PathLike[str], columns: Sequence[str] | None =
         columns: the columns to take (default all).
         cache_dir: ``datasets``' cache folder (default ``~/.cache/huggingface/datasets``).
         generation: the generation to read (default the current one).
+        target: a label column (e.g. ``"label"``) to give as a ``datasets.ClassLabel``: its
+            names the column's sorted distinct values (``class_targets``, as
+            ``CachedDataset(target=...)``'s ``classes``; integer labels as their ``str``),
+            each row's value its class index. Taken even if ``columns`` leaves it out.
 
     Raises:
         ManifestError, GenerationError: no finished cache, or ``generation`` is not kept.
         KeyError: a requested column is not in the cache.
     """
-    from datasets import Dataset
+    from datasets import Dataset, Features
 
     cache = os.fspath(cache)
     opened = Cache(cache, generation=generation)
@@ -237,9 +260,18 @@ def to_hf_dataset(cache: str | os.PathLike[str], columns: Sequence[str] | None =
     if missing:
         raise KeyError(f"{cache}: no column {missing} in this cache; it has "
                        f"{sorted(manifest.schema)}")
+    if target is not None and target not in names:
+        names.append(target)
     shards = json.dumps([s.to_json() for s in manifest.shards], sort_keys=True)
     identity = hashlib.sha256(f"{manifest.created}\n{shards}".encode()).hexdigest()
-    return Dataset.from_generator(_rows, features=_features(manifest.schema, names),
-                                  cache_dir=cache_dir, gen_kwargs={
-                                      "cache": cache, "columns": ",".join(names),
-                                      "generation": manifest.generation, "identity": identity})
+    features = _features(manifest.schema, names)
+    classes: list[Any] = []
+    if target is not None:
+        classes, label = _class_label(cache, target, manifest.generation)
+        features = None if features is None else Features({**features, target: label})
+    made = Dataset.from_generator(_rows, features=features, cache_dir=cache_dir, gen_kwargs={
+        "cache": cache, "columns": ",".join(names), "generation": manifest.generation,
+        "identity": identity, "target": target or "", "classes": json.dumps(classes)})
+    if target is not None and features is None:  # inferred (a bytes column): cast the target
+        made = made.cast_column(target, label)
+    return made

@@ -279,3 +279,30 @@ def test_a_datasets_dataset_without_its_rows_in_files_is_refused(tmp_path):
         build_cache(shuffled, tmp_path / "cache", pipeline="text", workers=1)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
     shutil.rmtree(tmp_path / "saved")
+
+
+def test_a_target_column_becomes_a_class_label_of_sorted_names(corpus, tmp_path):
+    cache = corpus / "cache"
+    data = rows(cache, ["label", "length"])
+    hf = to_hf_dataset(cache, columns=["key"], target="label", cache_dir=str(tmp_path / "hf"))
+    assert isinstance(hf.features["label"], datasets.ClassLabel)
+    assert hf.features["label"].names == ["cars", "cats"]
+    assert hf["label"] == [["cars", "cats"].index(label) for label in data["label"]]
+    # an integer column: its sorted values, named as str, each row its value's index
+    lengths = to_hf_dataset(cache, columns=["key"], target="length",
+                            cache_dir=str(tmp_path / "hf"))
+    values = sorted(set(data["length"].tolist()))
+    assert lengths.features["length"].names == [str(v) for v in values]
+    assert lengths["length"] == [values.index(v) for v in data["length"].tolist()]
+
+
+def test_the_hf_collator_keeps_make_loaders_threads(corpus):
+    from precache.loading import make_loader
+
+    dataset = CachedDataset(corpus / "cache", columns=["ids", "label"])
+    loader = make_loader(dataset, 8, num_workers=2,
+                         collate_fn=HFTokenCollate(label_ids={"cars": 0, "cats": 1}))
+    assert loader.worker_kind == "threads" and "HFTokenCollate" in loader.describe()
+    loader.set_epoch(0)
+    assert sum(len(batch["labels"]) for batch in loader) == DOCS
+    loader.close()
