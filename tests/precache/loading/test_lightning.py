@@ -1,7 +1,9 @@
 """Lightning's own loop over precache loaders, with a real Trainer: a run stopped early, in the
 middle or late in an epoch resumes from its checkpoint (``fit(ckpt_path=...)``) with exactly the
 samples not yet trained on, then trains whole epochs, on 1 rank and on 2 DDP (gloo) ranks, with a
-``CacheDataModule`` and with a ``make_loader`` loader passed to ``fit``."""
+``CacheDataModule`` and with a ``make_loader`` loader passed to ``fit``. A ``CacheDataModule``
+with a batch transform reads in threads, validates and tests on other caches or on rows chosen
+by ``*_where``, or holds out whole groups (``val_by``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import precache
 from tests.helpers import build_cache, write_photos
 
-pytest.importorskip("lightning")
+L = pytest.importorskip("lightning")
 JOB = Path(__file__).with_name("lightning_job.py")
 REPO = Path(__file__).parents[3]
 ROWS = 30  # batches of 4: 8 a rank on 1 rank, 4 (the last of 3) a rank on 2
@@ -97,3 +99,94 @@ def test_shard_window_applies_to_the_training_rows_when_validation_is_held_out(t
         open_most = max(open_most, sum(1 for s in started if left[s] > 0))
     assert open_most <= 2
     assert [len(b["key"]) for b in module.val_dataloader()] == [4, 4]
+
+
+# ---- CacheDataModule's stages, with a real Trainer ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_cache(tmp_path_factory):
+    """A second cache of 6 photos whose keys (``held/...``) are not the training cache's."""
+    root = tmp_path_factory.mktemp("lightning_other")
+    write_photos(root / "photos" / "held", 6, seed=1)
+    build_cache(root / "photos", root / "cache", pipeline="images", params={"size": 8},
+                workers=1)
+    return root / "cache"
+
+
+class Marked:
+    """A batch transform that declares itself thread-safe and marks the batches it saw."""
+
+    thread_safe = True
+
+    def __call__(self, batch: dict) -> dict:
+        return {**batch, "marked": True}
+
+
+def recorder():
+    """A LightningModule that records the keys of every stage's batches, by epoch."""
+    import torch
+    from torch import nn
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(1, 1)
+            self.seen: dict[tuple[str, int], list[str]] = {}
+
+        def record(self, stage: str, batch: dict) -> torch.Tensor:
+            epoch = self.current_epoch if stage != "test" else 0
+            self.seen.setdefault((stage, epoch), []).extend(batch["key"])
+            return self.layer(batch["image"].float().mean(dim=(1, 2, 3))[:, None]).pow(2).mean()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            assert batch["marked"]  # the batch transform ran (in the loader's threads)
+            return self.record("train", batch)
+
+        def validation_step(self, batch: dict, batch_idx: int) -> None:
+            assert "marked" not in batch  # the augmentation is for training only
+            self.record("val", batch)
+
+        def test_step(self, batch: dict, batch_idx: int) -> None:
+            self.record("test", batch)
+
+        def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
+            return list(batch["key"])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Recorder()
+
+
+def run_stages(module, epochs: int = 2):
+    """Fit ``epochs`` epochs, test and predict with a real Trainer; the recorder's keys and the
+    predictions."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0)
+    model = recorder()
+    trainer.fit(model, datamodule=module)
+    trainer.test(model, datamodule=module, verbose=False)
+    predicted = trainer.predict(model, datamodule=module)
+    return model.seen, [k for batch in predicted for k in batch]
+
+
+def keys_of(cache) -> list[str]:
+    return sorted(precache.Cache(cache).read_all(["key"])["key"])
+
+
+def test_a_datamodule_augments_batches_in_threads_and_validates_and_tests_on_another_cache(
+        cache, other_cache):
+    from precache.loading.interop.lightning import CacheDataModule
+
+    module = CacheDataModule(cache, 4, columns=["key", "image"], batch_transform=Marked(),
+                             val_cache=other_cache, test_cache=other_cache, num_workers=2)
+    seen, predicted = run_stages(module)
+    everything, held = keys_of(cache), keys_of(other_cache)
+    for epoch in (0, 1):  # across the epoch boundary: every training row once an epoch
+        assert sorted(seen[("train", epoch)]) == everything
+        assert sorted(seen[("val", epoch)]) == held
+    assert sorted(seen[("test", 0)]) == held and sorted(predicted) == held
+    loader = module.train_dataloader()
+    assert loader.worker_kind == "threads" and "batch_transform Marked" in loader.describe()
+    loader.close()
