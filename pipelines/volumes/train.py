@@ -138,8 +138,11 @@ class VolumeClassification(Task):
             x = x.contiguous(memory_format=torch.channels_last_3d)
         return x
 
-    def _targets(self, labels: list[str], device: torch.device) -> torch.Tensor:
-        return torch.as_tensor([self.index[name] for name in labels]).to(device, non_blocking=True)
+    def _targets(self, labels: Any, device: torch.device) -> torch.Tensor:
+        # strings, or an int64 tensor where stage 1 stored integer labels (a MedMNIST .npz)
+        names = labels.tolist() if isinstance(labels, torch.Tensor) else labels
+        return torch.as_tensor([self.index[str(name)] for name in names]).to(device,
+                                                                             non_blocking=True)
 
     def inputs(self, batch: dict, run: Run) -> Any:
         if self.patches:

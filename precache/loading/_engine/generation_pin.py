@@ -4,13 +4,20 @@ different caches (each rank then holds a reader lease on it)."""
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 
 from precache.cache import Cache
 from precache.cache.manifest import ManifestError
 from precache.storage.disk_cache import DiskCache
 
-__all__ = ["open_pinned"]
+if TYPE_CHECKING:
+    from precache.loading._engine.open_shards import OpenShards
+    from precache.loading._engine.warm import ShardWarmer
+
+__all__ = ["let_go", "open_pinned"]
 
 
 def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cache:
@@ -36,3 +43,18 @@ def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cac
         raise ManifestError(box[0])
     return cache if cache is not None else Cache(path, disk_cache=disk_cache,
                                                  generation=box[0], hold=True)
+
+
+def let_go(cache: Cache | None, owner_pid: int, readers: OpenShards | None,
+           warmers: list[ShardWarmer]) -> None:
+    """Release what a dataset holds in this process: its lease (only in the process that took
+    it, ``owner_pid``; not a forked worker's copy), its warming threads, its open shards. For
+    ``CachedDataset.close()`` and the finalizer that runs when the dataset is dropped; a second
+    call does nothing more."""
+    if cache is not None and owner_pid == os.getpid():
+        cache.close()
+    for warmer in warmers:
+        warmer.close()  # (a forked worker's copy of its parent's does nothing)
+    warmers.clear()
+    if readers is not None:
+        readers.close()

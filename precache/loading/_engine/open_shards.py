@@ -19,20 +19,24 @@ of descriptors (and its parent's, inherited, count as already open)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from precache.cache import Cache
 from precache.cache.formats import get_format
 from precache.cache.formats.base import ShardReader
 from precache.cache.schema import ColumnSpec
 from precache.loading._engine.row_table import RowTable
 
-__all__ = ["OpenShards", "fds_per_reader", "open_files", "shard_budget", "soft_fd_limit"]
+__all__ = ["OpenShards", "fds_per_reader", "open_files", "open_readers", "shard_budget",
+           "soft_fd_limit"]
 
 _NO_LIMIT = 1 << 20
 """The soft limit taken when ``RLIMIT_NOFILE`` is unlimited."""
@@ -251,3 +255,21 @@ class OpenShards:
         state.update(_readers=OrderedDict(), _decoded={}, _decoded_total=0, _memos={},
                      _tables={})
         return state
+
+
+def open_readers(pinned: Cache, path: str, names: list[str], max_open_shards: int | None,
+                 max_decoded_bytes: int) -> OpenShards:
+    """A ``CachedDataset``'s shard readers, of the requested columns ``names`` only (a shard then
+    opens with fewer page headers to read); an explicit ``max_open_shards`` past this process's
+    budget is capped, with a warning (raised at the dataset's caller)."""
+    schema = pinned.manifest.schema
+    fds = fds_per_reader(pinned.manifest.format, {n: schema[n] for n in names})
+    if max_open_shards is not None and max_open_shards > (budget := shard_budget(fds)):
+        warnings.warn(
+            f"{path}: max_open_shards={max_open_shards} would hold up to "
+            f"{max_open_shards * fds} file descriptors ({fds} a shard), past half of this "
+            f"process's open-file limit ({soft_fd_limit()}, `ulimit -n`) less those open; "
+            f"keeping at most {budget} shards open at once (raise `ulimit -n` to keep more)",
+            stacklevel=4)  # (open_readers < CachedDataset._open < __init__ < the caller)
+    return OpenShards(functools.partial(pinned.reader, columns=names),
+                      max_open_shards, max_decoded_bytes, fds)

@@ -3,7 +3,9 @@ gathers (``gather_fixed``, ``gather_rows``, ``gather_shards``, ``resident``) are
 
 **The index.** Dataset index -> (shard, row) lives in two NumPy arrays (``shard``, ``row``) and
 ``first`` (each shard's first index: a shard's rows are consecutive indices), so forked workers
-share it instead of copying Python objects page by page.
+share it instead of copying Python objects page by page. A dataset of some rows only
+(``where=``, ``select``: ``row_selection``) filters these arrays once, before any read (``hold``);
+it keeps the stored order, so a shard's rows are still consecutive indices.
 
 **Shards open lazily**, in the process that reads them (``readers``: ``OpenShards``), so
 DataLoader workers never inherit open handles (safe under fork and spawn). A remote cache
@@ -29,6 +31,7 @@ from precache.cache import Cache
 from precache.cache.image_codec import encoded_columns
 from precache.loading._engine.open_shards import OpenShards
 from precache.loading._engine.page_policy import PagePolicy
+from precache.loading._engine.row_selection import Selection
 from precache.loading._engine.row_table import RowTable
 
 __all__ = ["ReadState", "index_array"]
@@ -60,6 +63,8 @@ class ReadState:
         schema: the cache's columns.
         encoded: requested JPEG/WebP columns (stage 1's ``image_codec``) -> codec.
         shard, row, first: the index (see the module docstring).
+        selection: the rows held and their targets (``hold``; every row, no targets, until
+            then).
         complete: ``(pid, table)`` once a ``RowTable`` serves every requested column of every
             shard: warm batches then go straight to it (``gather_rows.read_complete``).
         fixed, listed: the requested fixed-shape (and scalar) columns; the others
@@ -86,6 +91,7 @@ class ReadState:
         self.shard = np.concatenate(shard_of) if shard_of else np.empty(0, np.int32)
         self.row = np.concatenate(row_of) if row_of else np.empty(0, np.int64)
         self.first = np.cumsum([0, *map(len, row_of)], dtype=np.int64)
+        self.selection = Selection()
         self.complete: tuple[int, RowTable] | None = None
         self.fixed = [n for n in columns if schema[n].kind in ("ndarray", "scalar")]
         self.listed = [n for n in columns if n not in self.fixed]
@@ -97,6 +103,15 @@ class ReadState:
 
     def __len__(self) -> int:
         return len(self.shard)
+
+    def hold(self, selection: Selection) -> None:
+        """Hold only ``selection``'s rows (its ``rows``: positions in this index, ascending, each
+        once), with its targets. Before any read: the row tables index by dataset index."""
+        if selection.rows is not None:
+            self.shard, self.row = self.shard[selection.rows], self.row[selection.rows]
+            shards = np.arange(len(self.first), dtype=self.shard.dtype)  # (shards + 1)
+            self.first = np.searchsorted(self.shard, shards).astype(np.int64)
+        self.selection = selection
 
     def guard(self) -> threading.RLock:
         """This process's lock over the readers and row tables (a forked or unpickled copy

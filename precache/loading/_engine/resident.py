@@ -48,20 +48,21 @@ def resident_columns(state: ReadState) -> dict[str, np.ndarray]:
         arrays = {n: np.empty((len(state), *schema[n].shape), dtype=schema[n].dtype)
                   for n in columns if schema[n].kind in ("ndarray", "scalar")}
         strings: dict[str, list[str]] = {n: [] for n in columns if n not in arrays}
-        start = 0
-        for shard, info in enumerate(state.cache.manifest.shards):
-            rows = info.live_indices()
+        first = state.first  # the rows held (all, or a selection's): a shard's are consecutive
+        for shard in range(len(first) - 1):
+            start, stop = int(first[shard]), int(first[shard + 1])
+            if start == stop:
+                continue
             reader = state.cache.reader(shard)
             try:
-                part = reader.read(rows, columns)
+                part = reader.read(state.row[start:stop], columns)
             finally:
                 reader.close()
             for name, values in part.items():
                 if name in arrays:
-                    arrays[name][start:start + len(rows)] = values
+                    arrays[name][start:stop] = values
                 else:
                     strings[name].extend(values)
-            start += len(rows)
         arrays.update({n: np.array(v, dtype=str) for n, v in strings.items()})
         state.resident_arrays = arrays
     return state.resident_arrays

@@ -3,33 +3,27 @@ private engine (``precache.loading._engine``): ``read_state`` (what every read p
 the gathers (``gather_fixed``: fixed-shape columns, one gather a column; ``gather_rows``:
 variable-length rows through a row table; ``gather_shards``: the general path, shard by shard,
 and read-ahead; ``resident``: columns held whole), ``encoded_images`` (JPEG/WebP decoding) and
-``page_policy`` (faults, warming, release of mapped pages). Their docstrings say why each
-works as it does."""
+``page_policy`` (faults, warming, release of mapped pages), ``row_selection`` (the rows held:
+``where=``, ``select``, ``split``; ``target=``). Their docstrings say why each works as it
+does."""
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from precache.cache import Cache
 from precache.loading.datasets.batches import CachedBatch
-from precache.loading._engine import gather_shards
-from precache.loading._engine.encoded_images import batch_images
-from precache.loading._engine.gather_fixed import read_tables
-from precache.loading._engine.gather_rows import read_complete
-from precache.loading._engine.generation_pin import open_pinned
-from precache.loading._engine.open_shards import (OpenShards, fds_per_reader, shard_budget,
-                                                   soft_fd_limit)
+from precache.loading._engine import gather_shards, read_batch, row_selection
+from precache.loading._engine.generation_pin import let_go, open_pinned
+from precache.loading._engine.open_shards import open_readers
 from precache.loading._engine.page_policy import PagePolicy, available_memory
 from precache.loading._engine.read_state import ReadState
 from precache.loading._engine.resident import fits_in_memory
-from precache.loading._engine.warm import ShardWarmer
 from precache.storage.disk_cache import DiskCache
 
 __all__ = ["CachedDataset"]
@@ -81,11 +75,21 @@ class CachedDataset:
             without removing this one's files while the dataset is open. ``close()``, or
             dropping the last reference to the dataset, lets go of it (and stops the dataset's
             threads).
+        where: hold only the matching rows, e.g. ``{"split": "train"}``: a scalar or string
+            column (``split``, ``label``, ``key``, ``source_key``) -> a value, a list of values,
+            or a callable of the column's values (a NumPy array; strings as a ``str`` array)
+            returning one bool a row; all must match. Chosen once, on open: every fast path
+            reads the rows held, indexed ``0 .. len - 1`` in the order they are stored.
+        target: a label column (integers or strings): each sample then has ``target``, an
+            ``int64`` index into ``classes`` (a batch: an ``int64`` column); ``targets`` holds
+            every row's. ``classes``: the column's sorted distinct values over the whole cache
+            (integers kept), so every selection of one cache has the same classes.
 
     Raises:
         ManifestError: ``cache`` holds no finished cache.
         GenerationError: ``generation`` is not kept any more.
-        KeyError: a requested column is not in the cache.
+        KeyError: a requested, ``where`` or ``target`` column is not in the cache.
+        ValueError: ``where`` keeps no row (the message shows values the column holds).
     """
 
     def __init__(self, cache: str | os.PathLike[str], columns: Sequence[str] | None = None,
@@ -94,34 +98,42 @@ class CachedDataset:
                  max_open_shards: int | None = None, release_mapped_bytes: int | None = None,
                  disk_cache_dir: str | os.PathLike[str] | None = None,
                  disk_cache_bytes: int | None = None, generation: int | None = None,
-                 decode_images: bool = True) -> None:
+                 decode_images: bool = True, where: Mapping[str, Any] | None = None,
+                 target: str | None = None) -> None:
         path = os.fspath(cache)
+        self._options = dict(  # for select(): the same options, over the same generation
+            columns=columns, transform=transform, max_decoded_bytes=max_decoded_bytes,
+            resident=resident, max_open_shards=max_open_shards,
+            release_mapped_bytes=release_mapped_bytes, disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=disk_cache_bytes, decode_images=decode_images)
+        self._open(path, generation, lambda pinned, names: row_selection.choose(
+            pinned, path, names, where, target), **self._options)
+
+    def _open(self, path: str, generation: int | None, choose: row_selection.Chooser,
+              columns: Sequence[str] | None, transform: Callable[[Sample], Sample] | None,
+              max_decoded_bytes: int, resident: bool | None, max_open_shards: int | None,
+              release_mapped_bytes: int | None, disk_cache_dir: str | os.PathLike[str] | None,
+              disk_cache_bytes: int | None, decode_images: bool) -> None:
+        """Open the generation and hold the rows ``choose`` picks (see the class docstring)."""
         self._owner_pid = os.getpid()
         pinned = open_pinned(path, DiskCache(disk_cache_dir, disk_cache_bytes), generation)
         schema = pinned.manifest.schema
-        missing = [c for c in columns or () if c not in schema]
-        if missing:
-            raise KeyError(f"{path}: no column {missing} in this cache; it has {sorted(schema)}")
         names = list(columns) if columns else list(schema)
+        try:
+            selection = choose(pinned, names)  # (checks the columns)
+        except BaseException:
+            pinned.close()  # (no dataset holds the lease)
+            raise
         self.transform = transform
         policy = PagePolicy(  # warm whole shards when the cache fits in memory
             sum(s.bytes for s in pinned.manifest.shards) <= available_memory() // 2,
             release_mapped_bytes, local=pinned.disk_cache is None)
-        # readers of the requested columns only: a shard opens with fewer page headers to read
-        fds = fds_per_reader(pinned.manifest.format, {n: schema[n] for n in names})
-        if max_open_shards is not None and max_open_shards > (budget := shard_budget(fds)):
-            warnings.warn(
-                f"{path}: max_open_shards={max_open_shards} would hold up to "
-                f"{max_open_shards * fds} file descriptors ({fds} a shard), past half of this "
-                f"process's open-file limit ({soft_fd_limit()}, `ulimit -n`) less those open; "
-                f"keeping at most {budget} shards open at once (raise `ulimit -n` to keep more)",
-                stacklevel=2)
-        readers = OpenShards(functools.partial(pinned.reader, columns=names),
-                             max_open_shards, max_decoded_bytes, fds)
+        readers = open_readers(pinned, path, names, max_open_shards, max_decoded_bytes)
         self._state = state = ReadState(pinned, path, names, readers, policy, decode_images)
+        state.hold(selection)
         # dropped without close(): let go of the lease and stop the threads all the same (the
         # finalizer holds what it releases, not the dataset)
-        self._finalizer = weakref.finalize(self, _let_go, pinned, self._owner_pid, readers,
+        self._finalizer = weakref.finalize(self, let_go, pinned, self._owner_pid, readers,
                                            policy.warmers)
         state.resident = fits_in_memory(state) if resident is None else bool(resident)
         if state.resident and any(schema[c].kind in ("bytes", "ragged") for c in names):
@@ -214,7 +226,7 @@ class CachedDataset:
         self.__dict__.update(state)
         # a copy (a worker's, or copy.copy's: it may share the readers and the lease with the
         # original, whose own finalizer lets go of them) stops only the threads it starts
-        self._finalizer = weakref.finalize(self, _let_go, None, -1, None,
+        self._finalizer = weakref.finalize(self, let_go, None, -1, None,
                                            self._state.policy.warmers)
 
     def read_ahead(self, indices: Sequence[int]) -> None:
@@ -241,31 +253,13 @@ class CachedDataset:
                 decoded images' array (``ThreadedBatches`` passes ``pinned_empty`` when it pins:
                 the batch is gathered and decoded straight into page-locked memory).
 
+        With ``target=``, the batch also has ``target`` (``int64``, the rows' ``targets``).
+
         Safe to call from several threads at once: which shards to open, and the row tables,
         are handled under this dataset's lock; the copies of mapped rows into the batch and the
         decoding of encoded images run outside it, in parallel.
         """
-        state = self._state
-        fast = read_complete(state, indices, empty)
-        if fast is None:
-            fast = read_tables(state, indices, empty, storage_order)
-        if fast is not None:
-            return fast
-        copies: gather_shards.Copies = []
-        with state.guard():
-            faults = state.policy.begin()
-            out, order, groups = gather_shards.gather(state, indices, ahead, storage_order,
-                                                      copies, empty)
-        gather_shards.copy_rows(copies)
-        if not state.resident:
-            with state.guard():
-                state.policy.after_gather(
-                    faults, lambda: [state.readers.get(shard).path for shard, _, _ in groups],
-                    state.readers.values())
-        for name in state.encoded:
-            if name in out and order is not None:
-                out[name] = batch_images(state, name, out[name], order, empty)
-        return out
+        return read_batch.read_batch(self._state, indices, ahead, storage_order, empty)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         # make_loader's IndexBatch: a later batch of this worker, and any order will do; and
@@ -283,19 +277,60 @@ class CachedDataset:
         return self.__getitems__([index])[0]
 
     def read_column(self, name: str) -> Any:
-        """Every row of column ``name`` (one of ``columns``), in index order: an array for a
-        fixed-shape column, else a list. Read a few shards at a time: a read holds the files of
-        every shard it touches until it returns (its rows are views of them), so one read of
-        the whole cache would hold all of them (``max_open_shards``)."""
-        step, first = max(1, self.max_open_shards // 2), self._state.first
-        shards = len(first) - 1
-        parts = [self.read_batch(np.arange(first[s], first[min(s + step, shards)]))[name]
-                 for s in range(0, shards, step)]
-        spec = self._state.schema[name]
-        if spec.kind in ("ndarray", "scalar"):
-            return (np.concatenate(parts) if parts
-                    else np.empty((0, *spec.shape), np.dtype(spec.dtype)))
-        return [value for part in parts for value in part]
+        """Every row of column ``name`` (in ``columns``, or any scalar or string column), in
+        index order: an array for a fixed-shape column, else a list. A few shards at a time: a
+        read holds the files of every shard it touches (``max_open_shards``) until it returns."""
+        if name not in self.columns:  # read alone, for the rows held
+            return row_selection.held_values(self._state, name)
+        return read_batch.read_column(self._state, name, max(1, self.max_open_shards // 2))
+
+    @property
+    def classes(self) -> list[Any]:
+        """With ``target=``: the target column's sorted distinct values over the whole cache
+        (``int`` or ``str``); ``target`` is an index into it. Else empty."""
+        return list(self._state.selection.classes)
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """With ``target=``: every row's ``target`` (``int64``), e.g. for a class-balanced
+        sampler's weights. Else ``None``."""
+        return self._state.selection.targets
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> CachedDataset:
+        """A dataset of these rows only (integers, negative ones from the end, or a boolean
+        mask of ``len(self)``), e.g. ``train, val = ds.select(a), ds.select(b)``: a
+        ``CachedDataset`` with the same options, generation (its own lease) and fast paths,
+        unlike a ``Subset``. Its rows keep their stored order, each once (its row ``i`` is
+        ``sorted(set(indices))[i]`` of this one).
+
+        Raises:
+            IndexError: an index is out of range.
+            ValueError: no index.
+        """
+        positions = row_selection.positions_of(indices, len(self))
+        return self._reopen(self._state.selection.part(positions))
+
+    def split(self, fractions: Mapping[str, float], by: str = "source_key",
+              seed: int = 0) -> dict[str, CachedDataset]:
+        """This dataset's rows in parts that keep each group of column ``by`` whole (a source
+        video's or volume's rows on one side), e.g. ``ds.split({"train": 0.8, "val": 0.2})``:
+        name -> dataset (``select``), each about its fraction of the rows, every row in one;
+        the same parts for the same ``seed``.
+
+        Raises:
+            KeyError: no column ``by``.
+            ValueError: fractions not positive or not summing to 1, or a part with no group.
+        """
+        parts = row_selection.split_by(self._state.cache, self.path, self._state.selection,
+                                       fractions, by, seed)
+        return {name: self._reopen(part) for name, part in parts.items()}
+
+    def _reopen(self, selection: row_selection.Selection) -> CachedDataset:
+        """A dataset of ``selection``'s rows, with this one's options and generation."""
+        other = object.__new__(CachedDataset)
+        other._options = self._options
+        other._open(self.path, self.generation, lambda pinned, names: selection, **self._options)
+        return other
 
     def close_files(self) -> None:
         """Close the shard files this process has open (they open again when next read); the
@@ -308,21 +343,7 @@ class CachedDataset:
         """Close the shard files and let go of the generation (its lease); dropping the last
         reference to the dataset does the same."""
         state = self._state
-        _let_go(state.cache, self._owner_pid, state.readers, state.policy.warmers)
+        let_go(state.cache, self._owner_pid, state.readers, state.policy.warmers)
         state.policy.warmer = None
         state.resident_arrays = None
 
-
-def _let_go(cache: Cache | None, owner_pid: int, readers: OpenShards | None,
-            warmers: list[ShardWarmer]) -> None:
-    """Release what a dataset holds in this process: its lease (only in the process that took
-    it, ``owner_pid``; not a forked worker's copy), its warming threads, its open shards. For
-    ``close()`` and the finalizer that runs when the dataset is dropped; a second call does
-    nothing more."""
-    if cache is not None and owner_pid == os.getpid():
-        cache.close()
-    for warmer in warmers:
-        warmer.close()  # (a forked worker's copy of its parent's does nothing)
-    warmers.clear()
-    if readers is not None:
-        readers.close()

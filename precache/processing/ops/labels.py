@@ -14,6 +14,11 @@ default. With a metadata file the rows also get ``original`` (``""`` where none 
 source video of a fake, which pairs fakes with their real video. The file's hash joins the
 pipeline fingerprint, so editing it recomputes the cache.
 
+Labels of a metadata file that are all integers as written (``0``, ``1``, ``12``; no sign but
+``-``, no leading zero) are stored as integers (an ``int64`` column), so a class index stays a
+number (``CachedDataset(target="label").classes == [0, 1, 2]``); if any label is not, every label
+of the file is a string. Folder labels are folder names: always strings.
+
 The file is read when the op is built, so a bad one stops the run before any work, in one line:
 it must be UTF-8 (a leading byte-order mark, as Excel's "CSV UTF-8" writes, is fine; another
 encoding is named by the offset and line of its first bad byte), and a CSV may list a file twice
@@ -26,6 +31,7 @@ import codecs
 import csv
 import io
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -37,6 +43,9 @@ LABEL_SOURCES = ("folder", "none")
 """Label sources that are not a file."""
 
 _FILE_COLUMNS = ("file", "filename", "name", "path")
+
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
+"""An integer as written, with no other way to write it (``07`` and ``+7`` are names)."""
 
 
 class LabelMissing(LookupError):
@@ -62,11 +71,21 @@ def _read_text(path: Path) -> str:
             "UTF-8 (in Excel: Save As 'CSV UTF-8') and re-run") from None
 
 
-def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
+def _integer_labels(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``entries`` with each label an ``int`` if every label is an integer as written (see the
+    module docstring), else as they are (strings)."""
+    if entries and all(_INTEGER.fullmatch(e["label"]) for e in entries.values()):
+        for entry in entries.values():
+            entry["label"] = int(entry["label"])
+    return entries
+
+
+def read_label_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """File name or key -> {"label": ..., "original": ...} from a CSV or DFDC-style JSON file.
 
     The file is UTF-8; a leading byte-order mark (Excel's "CSV UTF-8") is ignored. A CSV may
-    list a file twice only with the same label and original.
+    list a file twice only with the same label and original. Labels are strings, or ``int``
+    when every label of the file is an integer (see the module docstring).
 
     Raises:
         ValueError: the file is neither, is not UTF-8, lacks the needed columns, or gives one file
@@ -74,7 +93,7 @@ def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
         OSError: it cannot be read.
     """
     path = Path(path)
-    entries: dict[str, dict[str, str]] = {}
+    entries: dict[str, dict[str, Any]] = {}
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(_read_text(path))
@@ -88,7 +107,7 @@ def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
                 raise ValueError(f"labels file '{path}': entry {name!r} has no \"label\"")
             entries[str(name)] = {"label": str(entry["label"]),
                                   "original": str(entry.get("original") or "")}
-        return entries
+        return _integer_labels(entries)
     if path.suffix.lower() != ".csv":
         raise ValueError(f"labels file '{path}' must end in .csv or .json (or give labels=folder "
                          "or labels=none)")
@@ -112,7 +131,7 @@ def read_label_file(path: str | Path) -> dict[str, dict[str, str]]:
                 "keep one row per file and re-run")
         entries.setdefault(name, entry)
         lines.setdefault(name, reader.line_num)
-    return entries
+    return _integer_labels(entries)
 
 
 class Labels(Op):
@@ -123,7 +142,7 @@ class Labels(Op):
     """
 
     name = "labels"
-    version = "1"
+    version = "2"  # 2: a file's integer labels are stored as integers (were strings)
 
     def __init__(self, *, labels: str = "folder") -> None:
         self.labels = str(labels)
@@ -131,7 +150,7 @@ class Labels(Op):
         if self.file is not None and not self.file.is_file():
             raise ValueError(f"labels file '{self.labels}' does not exist; give labels=folder, "
                              "labels=none or the path of a .csv or DFDC-style .json file")
-        self.entries: dict[str, dict[str, str]] | None = None
+        self.entries: dict[str, dict[str, Any]] | None = None
         if self.file is not None:  # read now: a bad file is one line before any work starts
             try:
                 self.entries = read_label_file(self.file)

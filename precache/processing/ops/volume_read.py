@@ -89,12 +89,14 @@ NPZ_SPLITS = ("train", "val", "test")
 @dataclass
 class VolumeRecord:
     """One volume read from an input: voxels (D, H, W) as float32, its voxel-to-world affine,
-    and where it came from within the input (``part``: ``""`` for a single volume)."""
+    and where it came from within the input (``part``: ``""`` for a single volume); an ``.npz``
+    volume's ``label`` (an ``int`` where the archive stores integers, as MedMNIST does) and
+    ``split``."""
 
     volume: np.ndarray
     affine: np.ndarray
     part: str = ""
-    label: str | None = None
+    label: int | str | None = None
     split: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -205,7 +207,8 @@ def _npz(data: bytes, max_voxels: int) -> list[VolumeRecord]:
             label = None
             if labels is not None:
                 value = np.asarray(labels[i]).reshape(-1)
-                label = str(int(value[0])) if value.dtype.kind in "biu" else str(value[0])
+                # integer labels (MedMNIST's class indices) stay integers: an int64 column
+                label = int(value[0]) if value.dtype.kind in "biu" else str(value[0])
             records.append(VolumeRecord(images[i].astype(np.float32), identity,
                                         part=f"{split}{i:06d}", label=label, split=split))
     return records
