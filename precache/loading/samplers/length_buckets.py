@@ -179,9 +179,8 @@ class ExactOnceBucketSampler(LengthBucketSampler):
 
 def cache_lengths(dataset: Any, column: str = "length") -> np.ndarray:
     """The ``column`` value (a token count: the text pipeline's ``length``) of every row of
-    ``dataset``, a ``CachedDataset`` or a ``Subset`` of one, in its order: read through the
-    dataset itself when it reads that column, else through a dataset of that column alone on
-    the same generation.
+    ``dataset``, a ``CachedDataset`` (the rows it holds: ``where=``, ``select``, ``split``) or a
+    ``Subset`` of one, in its order; the column need not be among the dataset's ``columns``.
 
     Raises:
         TypeError: ``dataset`` is not a ``CachedDataset`` or a ``Subset`` of one.
@@ -193,12 +192,5 @@ def cache_lengths(dataset: Any, column: str = "length") -> np.ndarray:
     if not isinstance(base, CachedDataset):
         raise TypeError(f"cache_lengths takes a CachedDataset or a Subset of one, not "
                         f"{type(dataset).__name__}; pass lengths= yourself")
-    if column in base.columns:
-        lengths = np.asarray(base.read_column(column))
-    else:
-        alone = CachedDataset(base.path, columns=[column], generation=base.generation)
-        try:
-            lengths = np.asarray(alone.read_column(column))
-        finally:
-            alone.close()
+    lengths = np.asarray(base.read_column(column))
     return lengths if rows is None else lengths[rows]

@@ -94,5 +94,10 @@ def test_bucket_by_length_gives_every_document_once_across_ranks_and_resumes(cac
     assert sorted(trained + rest) == everything and max(Counter(trained + rest).values()) == 1
     for loader in first:
         loader.close()
+    some = everything[::2]  # rows held by where=: their own lengths, each once
+    held = ranks(CachedDataset(cache, columns=["key", "ids"], where={"key": some}), 2)
+    for loader in held:
+        loader.set_epoch(0)
+    assert sorted(k for loader in held for k in keys_of(loader)) == some
     with pytest.raises(ValueError, match="shuffle=False given beside bucket_by='length'"):
         make_loader(dataset, BATCH, shuffle=False, bucket_by="length")
