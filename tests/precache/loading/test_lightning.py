@@ -190,3 +190,40 @@ def test_a_datamodule_augments_batches_in_threads_and_validates_and_tests_on_ano
     loader = module.train_dataloader()
     assert loader.worker_kind == "threads" and "batch_transform Marked" in loader.describe()
     loader.close()
+
+
+def test_a_datamodule_selects_each_stages_rows_of_one_cache_by_where(cache):
+    from precache.loading.interop.lightning import CacheDataModule
+
+    keys = keys_of(cache)
+    module = CacheDataModule(cache, 4, columns=["key", "image"], batch_transform=Marked(),
+                             train_where={"key": keys[8:]}, val_where={"key": keys[:4]},
+                             test_where={"key": keys[4:8]}, num_workers=2)
+    seen, predicted = run_stages(module)
+    for epoch in (0, 1):
+        assert sorted(seen[("train", epoch)]) == keys[8:]
+        assert sorted(seen[("val", epoch)]) == keys[:4]
+    assert sorted(seen[("test", 0)]) == keys[4:8] and sorted(predicted) == keys[4:8]
+    with pytest.raises(ValueError, match="val_where selects rows of the training cache .*; give "
+                                         "train_where too"):
+        CacheDataModule(cache, 4, val_where={"key": keys[:4]})
+    with pytest.raises(ValueError, match="one source of validation rows, not val_by and "
+                                         "val_every"):
+        CacheDataModule(cache, 4, val_by="source_key", val_every=5)
+
+
+def test_val_by_holds_out_whole_groups_and_passes_dataset_options_through(cache):
+    from precache.loading.interop.lightning import CacheDataModule
+
+    module = CacheDataModule(cache, 4, columns=["key", "orig_width"], val_by="orig_width",
+                             val_fraction=0.3, num_workers=0, target="key")
+    module.setup("fit")
+    train, val = module.train_set, module.val_set
+    assert len(train) + len(val) == ROWS and len(val) > 0
+    widths = [set(part.read_column("orig_width").tolist()) for part in (train, val)]
+    assert not widths[0] & widths[1]  # every group (here: a width) on one side
+    assert train.classes == keys_of(cache)  # target= reached the datasets
+    loader = module.train_dataloader()
+    loader.set_epoch(0)
+    assert sorted(k for b in loader for k in b["key"]) == sorted(train.read_column("key"))
+    assert "target" in next(iter(module.val_dataloader()))
