@@ -102,10 +102,11 @@ class CachedDataset:
                  target: str | None = None) -> None:
         path = os.fspath(cache)
         self._options = dict(  # for select(): the same options, over the same generation
-            columns=columns, transform=transform, max_decoded_bytes=max_decoded_bytes,
-            resident=resident, max_open_shards=max_open_shards,
-            release_mapped_bytes=release_mapped_bytes, disk_cache_dir=disk_cache_dir,
-            disk_cache_bytes=disk_cache_bytes, decode_images=decode_images)
+            columns=None if columns is None else list(columns), transform=transform,
+            max_decoded_bytes=max_decoded_bytes, resident=resident,
+            max_open_shards=max_open_shards, release_mapped_bytes=release_mapped_bytes,
+            disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes,
+            decode_images=decode_images)
         self._open(path, generation, lambda pinned, names: row_selection.choose(
             pinned, path, names, where, target), **self._options)
 
@@ -286,8 +287,7 @@ class CachedDataset:
 
     @property
     def classes(self) -> list[Any]:
-        """With ``target=``: the target column's sorted distinct values over the whole cache
-        (``int`` or ``str``); ``target`` is an index into it. Else empty."""
+        """With ``target=``: the column's sorted distinct values in the whole cache, else []."""
         return list(self._state.selection.classes)
 
     @property
