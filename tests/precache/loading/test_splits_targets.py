@@ -79,7 +79,7 @@ def epochs_of_keys(dataset: CachedDataset, whole: dict[str, dict], epochs: int =
             for i, key in enumerate(batch["key"]):
                 assert np.array_equal(batch["volume"][i].numpy(), whole[key]["volume"]), key
                 if "target" in batch:
-                    assert batch["target"].dtype.is_floating_point is False
+                    assert str(batch["target"].dtype) == "torch.int64"
                     assert int(batch["target"][i]) == dataset.classes.index(whole[key]["label"])
             keys += batch["key"]
         out.append(keys)
