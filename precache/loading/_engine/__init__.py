@@ -4,6 +4,8 @@ outside ``precache/loading`` does).
 
 - ``read_state``: what every read path of a dataset shares (the index arrays, the open
   shards, the lock and its pid guard, the page policy, the requested columns);
+- ``read_batch``: which read path serves a batch, and its ``target`` column;
+- ``row_selection``: the rows a dataset holds (``where=``, ``select``, ``split``), its targets;
 - ``gather_fixed``: a warm batch with fixed-shape columns, one ``FixedRows`` gather a column
   (its variable-length columns, if any, from the ``RowTable``, one slice a row);
 - ``gather_rows``: variable-length columns row by row (``RowTable``, or each shard's row reader);
