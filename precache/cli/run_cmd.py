@@ -11,6 +11,7 @@ from precache.cache.lock import DEFAULT_WAIT_S
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, format_bytes
 from precache.cache.formats import FORMATS
 from precache.cache.inspect import _size
+from precache.processing.dataset_source import dataset_from_ref, run_dataset
 from precache.processing.pipeline import PipelineError, available_pipelines, load_pipeline
 
 EPILOG = """\
@@ -19,6 +20,7 @@ examples:
   precache run images --input photos/ --output cache/
   precache run images -i photos/ -o cache/ --set size=224 --workers 4 --format hdf5
   precache run path/to/my_pipeline.py -i list.txt -o cache/   # imports and runs that file
+  precache run mymodule:make_dataset -o cache/   # a Dataset factory: each dataset[i] cached
   precache run faces -i photos/ -o cache/ --executor ray              # a local Ray, all cores
   precache run faces -i /shared/photos -o /shared/cache --executor ray --address HEAD_IP:6379
   precache run images -i photos/ -o cache/ --wait   # on every rank: one computes, the rest wait
@@ -73,9 +75,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("pipeline", help="installed pipeline name (e.g. images), module:attr, "
                         "or path to a pipeline .py file (imported and run with your rights: "
                         "only files you trust)")
-    parser.add_argument("-i", "--input", required=True,
+    parser.add_argument("-i", "--input", default=None,
                         help="folder of inputs (searched recursively), one file, or a .txt list; "
-                        "a local path or a URL (s3://, gs://, file://)")
+                        "a local path or a URL (s3://, gs://, file://). Required, but for a "
+                        "Dataset factory (PIPELINE module:attr that is not a Pipeline: a "
+                        "function or class giving a map-style dataset, whose dataset[i] are "
+                        "cached)")
     parser.add_argument("-o", "--output", required=True,
                         help="cache to write: a directory or a URL (s3://, gs://, file://)")
     parser.add_argument("-j", "--workers", type=int, default=None,
@@ -151,6 +156,12 @@ def run_command(args: argparse.Namespace) -> int:
     if args.wait_timeout is not None and not args.wait_timeout >= 0:
         raise PipelineError(f"--wait-timeout must be seconds >= 0, got {args.wait_timeout}")
     wait: bool | float = args.wait if args.wait_timeout is None else args.wait_timeout
+    dataset = dataset_from_ref(args.pipeline)
+    if dataset is not None:
+        return _run_dataset(dataset, args, wait)
+    if args.input is None:
+        raise PipelineError("the following argument is required: --input/-i (a folder, file or "
+                            "list of inputs)")
     pipeline = load_pipeline(args.pipeline)
     overrides = pipeline.parse_overrides(args.overrides)
     summary = run(
@@ -160,5 +171,22 @@ def run_command(args: argparse.Namespace) -> int:
         ray_address=args.address, max_input_bytes=args.max_input_bytes, wait=wait,
         log=lambda msg: print(msg, file=sys.stderr),
     )
+    print_summary(summary)
+    return 0
+
+
+def _run_dataset(dataset: object, args: argparse.Namespace, wait: bool | float) -> int:
+    """``precache run module:attr`` for a Dataset factory: ``dataset[i]`` for every index."""
+    unused = [flag for flag, used in (("--input", args.input is not None),
+                                      ("--set", bool(args.overrides)),
+                                      ("--executor ray", args.executor != "local"))
+              if used]
+    if unused:
+        raise PipelineError(f"'{args.pipeline}' is a Dataset factory: {', '.join(unused)} do not "
+                            "apply (its samples are dataset[0] .. dataset[len - 1]); leave them out")
+    summary = run_dataset(dataset, args.output, workers=args.workers, format=args.format,
+                          shard_rows=args.shard_rows, overwrite=args.overwrite,
+                          fail_fast=args.fail_fast, progress=not args.quiet, wait=wait,
+                          log=lambda msg: print(msg, file=sys.stderr))
     print_summary(summary)
     return 0
