@@ -5,10 +5,15 @@
     precache run volumes -i ct/ -o cache/ --set window=-1000,400 --set spacing=1.5,1.5,3 \
         --set shape=128,128,96 --set foreground=0.05 --set labels=meta.csv
     precache run volumes -i big/ -o cache/ --set max_voxels=1073741824   # inputs over 2^29 voxels
+    precache run volumes -i dicom_zips/ -o cache/ --set spacing=1 --set shape=128  # DICOM series
 
 Inputs: NIfTI (``.nii``, ``.nii.gz``; a 4D file gives one row per volume), ``.npy`` (one volume,
-or a stack N x D x H x W) and MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
-``val_`` / ``test_``: one row per volume, with its label and ``split``).
+or a stack N x D x H x W), MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
+``val_`` / ``test_``: one row per volume, with its label and ``split``) and DICOM series as one
+``.zip`` per series folder (read with pydicom; one row per ``SeriesInstanceUID``, keyed
+``<file>#<uid>``; a slice missing or of another geometry fails the input).
+
+``spacing`` is MONAI's ``Spacing``: the stored spacing is exactly the asked one, the shape follows.
 
 Intensities are clipped to ``window`` (or the ``percentiles``) and scaled to 0..1 by default;
 ``normalise=none`` keeps the input's values (inputs already normalised: MedMNIST's 0..255).
@@ -52,7 +57,7 @@ pipeline = Pipeline(
     name="volumes",
     make_ops=make_ops,
     extensions=VOLUME_EXTENSIONS,
-    description="3D volumes (NIfTI, .npy, MedMNIST .npz) reoriented, resampled, normalised, "
-                "cropped to a fixed shape",
+    description="3D volumes (NIfTI, .npy, MedMNIST .npz, DICOM series zipped) reoriented, "
+                "resampled, normalised, cropped to a fixed shape",
     shard_rows=32,  # inputs a shard: 32 volumes of 256^3 uint8 are 512 MB
 )

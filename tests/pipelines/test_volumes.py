@@ -157,11 +157,13 @@ def test_resample_and_fit_shape_keep_world_positions():
     volume = np.random.default_rng(0).random((21, 11, 9)).astype(np.float32)
     sample = {"volume": volume, "affine": affine, "spacing": np.array([1, 1, 2.5], np.float32)}
     out = Resample(spacing=2.0)(sample)
-    assert out["volume"].shape == (10, 6, 11)
-    last = np.array([*(np.array(out["volume"].shape) - 1), 1])
-    # first and last voxel centres stay where they were in the world
-    np.testing.assert_allclose(out["affine"] @ last, affine @ np.array([20, 10, 8, 1]))
-    np.testing.assert_allclose(out["affine"][:, 3], affine[:, 3])
+    # exactly 2 mm (MONAI's Spacing): round(extent / 2 + 1) voxels, voxel 0 where it was
+    assert out["volume"].shape == (11, 6, 11) and out["spacing"].tolist() == [2.0, 2.0, 2.0]
+    np.testing.assert_allclose(out["affine"], [[-2, 0, 0, 30], [0, 2, 0, -5], [0, 0, 2, 7],
+                                               [0, 0, 0, 1]])
+    # stored voxel (3, 2, 4) is input voxel (6, 4, 3.2): the same world point
+    np.testing.assert_allclose(out["volume"][3, 2, 4],
+                               volume[6, 4, 3] * 0.8 + volume[6, 4, 4] * 0.2, rtol=1e-5)
     fitted = FitShape(shape=(8, 8, 8))(out)
     # stored voxel (0,0,0) of the fitted volume is voxel (1, -1, 1) of the resampled one
     np.testing.assert_allclose(fitted["affine"] @ [0, 0, 0, 1], out["affine"] @ [1, -1, 1, 1])

@@ -1,11 +1,19 @@
-"""Read 3D volumes from bytes: NIfTI (``.nii``, ``.nii.gz``, through nibabel), ``.npy`` and
-MedMNIST-style ``.npz`` files, each as a list of ``VolumeRecord`` (one input may hold many).
+"""Read 3D volumes from bytes: NIfTI (``.nii``, ``.nii.gz``, through nibabel), ``.npy``,
+MedMNIST-style ``.npz`` files and ``.zip`` files of DICOM series (through pydicom), each as a
+list of ``VolumeRecord`` (one input may hold many).
 
 NIfTI volumes come back in RAS+ orientation (``nibabel.as_closest_canonical``: a permutation and
 flips of the voxel axes, no resampling) with their affine; NumPy volumes have no header, so
 their affine is the identity (1 mm voxels, axes taken as RAS). A 4D NIfTI or a 4D ``.npy`` gives
 one record per volume of its last (NIfTI) or first (NumPy) axis. Every failure is a
 ``ValueError`` that says what is wrong with the file and what to do about it.
+
+A ``.zip`` holds DICOM series (read with pydicom): one record per ``SeriesInstanceUID``, its
+slices ordered by ``ImagePositionPatient`` along the slice normal (the cross product of
+``ImageOrientationPatient``'s row and column directions), ``RescaleSlope`` / ``Intercept``
+applied, the affine from the headers (LPS) turned to RAS and reoriented as a NIfTI volume is. A
+slice missing, repeated or out of line, a slice of another geometry, or a file that does not
+parse fails the input with the file's name.
 
 A file is decoded only if its header's shape holds at most ``max_voxels`` voxels (all its
 volumes together): a 210 KB ``.nii.gz`` of zeros can claim 1024^3 voxels, gigabytes once
@@ -21,11 +29,12 @@ import math
 import zipfile
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 __all__ = ["VolumeRecord", "read_volumes", "NPZ_SPLITS", "DEFAULT_MAX_VOXELS",
-           "check_max_voxels"]
+           "check_max_voxels", "DICOM_SUFFIXES"]
 
 DEFAULT_MAX_VOXELS = 2**29
 """The most voxels one input may decode to (536,870,912: 2 GiB as float32, e.g. 1024 x 1024 x
@@ -232,13 +241,165 @@ def _npy(data: bytes, max_voxels: int) -> list[VolumeRecord]:
     return [VolumeRecord(array.astype(np.float32), np.eye(4))]
 
 
+DICOM_SUFFIXES = ("", ".dcm", ".dicom", ".ima")
+"""Members of a ``.zip`` read as DICOM slices: these endings (``""``: no suffix, as many scanners
+write them); other members (a README, a ``DICOMDIR`` index, ``.json`` sidecars) are skipped."""
+
+_PIXEL_TOLERANCE = 0.01
+"""How far (a fraction) one slice's ``PixelSpacing`` may differ from the first slice's."""
+
+_GAP_TOLERANCE = (0.05, 0.02)
+"""How far a gap between slices may differ from the median gap: 5% of it plus 0.02 mm, above
+the rounding of positions written with two decimals; a missing slice doubles a gap."""
+
+
+def _is_slice_name(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    if not base or base.startswith(".") or base.upper() == "DICOMDIR" or name.endswith("/"):
+        return False
+    suffix = base[base.rfind("."):].lower() if "." in base else ""
+    return suffix in DICOM_SUFFIXES
+
+
+def _dicom_zip(data: bytes, max_voxels: int) -> list[VolumeRecord]:
+    """The DICOM series in a ``.zip``: one record per ``SeriesInstanceUID`` (``part``), slices
+    ordered by ``ImagePositionPatient`` along the slice normal, in RAS like a NIfTI volume."""
+    try:
+        import pydicom
+    except ImportError:
+        raise ValueError("reading DICOM needs pydicom: pip install 'precache[volumes]' (or "
+                         "pip install pydicom)") from None
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = [m for m in archive.infolist() if _is_slice_name(m.filename)]
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"not a readable .zip archive ({e}); zip the series folder again "
+                         "(zip -r series.zip folder/)") from None
+    if not members:
+        raise ValueError("the .zip holds no DICOM files (names ending .dcm, or without a "
+                         "suffix); put one series folder's files in it")
+    inflated = sum(m.file_size for m in members)
+    if inflated > 4 * max_voxels + len(members) * 65536:
+        raise ValueError(f"the .zip's DICOM files inflate to {inflated:,} bytes: more than "
+                         f"max_voxels ({max_voxels:,}) allows, so they are not decoded; if the "
+                         "series is real, raise the limit with --set max_voxels=N")
+    series: dict[str, list[tuple[str, Any]]] = {}
+    with archive:
+        for member in members:
+            try:
+                ds = pydicom.dcmread(io.BytesIO(archive.read(member)))
+            except Exception as e:  # noqa: BLE001 - pydicom and zipfile raise many kinds
+                raise ValueError(f"'{member.filename}' is not a readable DICOM file "
+                                 f"({type(e).__name__}: {e}); remove it from the .zip or "
+                                 "export it again") from None
+            uid = str(getattr(ds, "SeriesInstanceUID", "") or "")
+            if not uid:
+                raise ValueError(f"'{member.filename}' has no SeriesInstanceUID, so its series "
+                                 "is unknown; export the series again with its UIDs")
+            series.setdefault(uid, []).append((member.filename, ds))
+    voxels = sum(len(s) * math.prod(_size(*s[0])) for s in series.values())
+    if voxels > max_voxels:
+        raise ValueError(f"the DICOM headers say {voxels:,} voxels in all ({len(series)} "
+                         f"series): more than max_voxels ({max_voxels:,}), so they are not "
+                         "decoded; if the series are real, raise the limit with "
+                         "--set max_voxels=N")
+    return [_dicom_series(uid, slices) for uid, slices in sorted(series.items())]
+
+
+def _header(name: str, ds: Any, tag: str, count: int) -> np.ndarray:
+    """``ds.<tag>`` as ``count`` floats; ValueError naming the file if it is missing."""
+    value = getattr(ds, tag, None)
+    try:
+        array = np.asarray([float(v) for v in value], dtype=np.float64)
+    except (TypeError, ValueError):
+        array = np.zeros(0)
+    if array.shape != (count,) or not np.isfinite(array).all():
+        raise ValueError(f"'{name}' has no valid {tag} ({value!r}); the series' geometry needs "
+                         "it in every slice: export the series again with it")
+    return array
+
+
+def _size(name: str, ds: Any) -> tuple[int, int]:
+    """A slice's (Rows, Columns); ValueError naming the file if they are missing."""
+    try:
+        return int(ds.Rows), int(ds.Columns)
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(f"'{name}' has no Rows / Columns: not an image slice; remove it from "
+                         "the .zip") from None
+
+
+def _dicom_series(uid: str, slices: list[tuple[str, Any]]) -> VolumeRecord:
+    """One series' slices stacked into a RAS volume: voxel (i, j, k) is column i, row j of the
+    k-th slice along the normal, as dcm2niix and nibabel's NIfTI path give it."""
+    first_name, first = slices[0]
+    orientation = _header(first_name, first, "ImageOrientationPatient", 6)
+    row_dir, col_dir = orientation[:3], orientation[3:]  # along a row (i), down a column (j)
+    normal = np.cross(row_dir, col_dir)
+    pixel = _header(first_name, first, "PixelSpacing", 2)  # (between rows, between columns)
+    size = _size(first_name, first)
+    for name, ds in slices[1:]:
+        if (not np.allclose(_header(name, ds, "ImageOrientationPatient", 6), orientation,
+                            atol=1e-4)
+                or not np.allclose(_header(name, ds, "PixelSpacing", 2), pixel,
+                                   rtol=_PIXEL_TOLERANCE)
+                or _size(name, ds) != size):
+            raise ValueError(f"'{name}' has another orientation, pixel spacing or size than "
+                             f"'{first_name}' in series {uid}: not one volume; export the "
+                             "series again, or put the odd slices in a series of their own")
+    positions = {name: _header(name, ds, "ImagePositionPatient", 3) for name, ds in slices}
+    ordered = sorted(slices, key=lambda item: float(positions[item[0]] @ normal))
+    if len(ordered) < 2:
+        raise ValueError(f"series {uid} has one slice ('{first_name}'): a 2D image, not a "
+                         "volume; the volumes pipeline needs a series of slices")
+    depth = np.array([positions[name] @ normal for name, _ in ordered])
+    gaps = np.diff(depth)
+    median = float(np.median(gaps))
+    allowed = _GAP_TOLERANCE[0] * median + _GAP_TOLERANCE[1]
+    if median <= 0 or np.abs(gaps - median).max() > allowed:
+        k = int(np.argmax(np.abs(gaps - median)))
+        raise ValueError(
+            f"series {uid}: slices '{ordered[k][0]}' and '{ordered[k + 1][0]}' are "
+            f"{gaps[k]:.3g} mm apart, the others {median:.3g} mm (a slice missing, repeated or "
+            "from another scan): add the missing file, or remove the stray one")
+    volume = np.empty((size[1], size[0], len(ordered)), dtype=np.float32)
+    for k, (name, ds) in enumerate(ordered):
+        try:
+            pixels = np.asarray(ds.pixel_array, dtype=np.float64)
+        except Exception as e:  # noqa: BLE001 - pydicom's pixel handlers raise many kinds
+            raise ValueError(f"'{name}': its pixel data do not decode ({type(e).__name__}: "
+                             f"{e}); install the decoder pydicom names, or decompress the "
+                             "series (gdcmconv --raw)") from None
+        if pixels.shape != size:
+            raise ValueError(f"'{name}' holds pixels of shape {pixels.shape}, not one frame of "
+                             f"{size} (multi-frame DICOM is not read): convert it with dcm2niix")
+        slope = float(getattr(ds, "RescaleSlope", 1) or 1)
+        intercept = float(getattr(ds, "RescaleIntercept", 0) or 0)
+        volume[:, :, k] = (pixels * slope + intercept).T  # (row j, column i) -> (i, j)
+    lps = np.eye(4)
+    lps[:3, 0] = row_dir * pixel[1]  # i runs along a row: the spacing between columns
+    lps[:3, 1] = col_dir * pixel[0]
+    lps[:3, 2] = (positions[ordered[-1][0]] - positions[ordered[0][0]]) / (len(ordered) - 1)
+    lps[:3, 3] = positions[ordered[0][0]]
+    return _ras_record(volume, np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps, part=uid)
+
+
+def _ras_record(volume: np.ndarray, affine: np.ndarray, part: str = "") -> VolumeRecord:
+    """``volume`` with its RAS ``affine`` reoriented as a NIfTI file is
+    (``nibabel.as_closest_canonical``), so both paths give the same voxels and affine."""
+    import nibabel as nib
+
+    image = nib.as_closest_canonical(nib.Nifti1Image(volume, affine))
+    return VolumeRecord(np.ascontiguousarray(np.asarray(image.dataobj, dtype=np.float32)),
+                        np.asarray(image.affine, dtype=np.float64), part=part)
+
+
 def read_volumes(data: bytes, name: str,
                  max_voxels: int = DEFAULT_MAX_VOXELS) -> list[VolumeRecord]:
     """The volumes in one input's bytes, by the input's file name ending.
 
     Args:
         data: the file's bytes.
-        name: its name (``.nii``, ``.nii.gz``, ``.npy`` or ``.npz``).
+        name: its name (``.nii``, ``.nii.gz``, ``.npy``, ``.npz``, or ``.zip``: DICOM series).
         max_voxels: the most voxels its header may claim, all volumes together (checked
             before any voxel is decoded).
 
@@ -255,6 +416,8 @@ def read_volumes(data: bytes, name: str,
     lowered = name.lower()
     if lowered.endswith(".npz"):
         records = _npz(data, max_voxels)
+    elif lowered.endswith(".zip"):
+        records = _dicom_zip(data, max_voxels)
     elif lowered.endswith(".npy"):
         records = _npy(data, max_voxels)
     else:
