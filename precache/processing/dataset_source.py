@@ -347,7 +347,7 @@ def dataset_fingerprint(dataset: Any, version: str | None) -> dict[str, Any]:
         return described
     try:
         source = inspect.getsource(cls)
-    except (OSError, TypeError):  # defined where no source is kept (an interactive session)
+    except Exception:  # noqa: BLE001 - no source kept (an interactive session, a run script)
         source = described["class"]
     described["source"] = hashlib.sha256(source.encode()).hexdigest()[:16]
     try:

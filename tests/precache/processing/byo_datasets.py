@@ -4,6 +4,10 @@ to (in every process), to count what a run computed."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,20 +17,27 @@ import torch
 def _note(log: str, index: int) -> None:
     if log:
         with open(log, "a") as f:
-            f.write(f"{index}\n")
+            f.write(f"{index} {os.getpid()}\n")
 
 
 class MixedDataset:
-    """Dict samples of every kind ``cache_dataset`` stores; ``dataset[fail_at]`` raises."""
+    """Dict samples of every kind ``cache_dataset`` stores; ``dataset[fail_at]`` raises.
 
-    def __init__(self, n: int = 24, fail_at: int = -1, log: str = "") -> None:
-        self.n, self.fail_at, self.log = n, fail_at, log
+    ``child_after``: in the process that made the dataset, every call after that many (the
+    probes) waits until a spawned worker has read a sample (a file beside ``log`` says so), so
+    a run with 2 workers surely hands samples to the spawned one."""
+
+    def __init__(self, n: int = 24, fail_at: int = -1, log: str = "",
+                 child_after: int = -1) -> None:
+        self.n, self.fail_at, self.log, self.child_after = n, fail_at, log, child_after
+        self._calls = 0
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         _note(self.log, i)
+        self._wait_for_a_child()
         if i == self.fail_at:
             raise ValueError(f"sample {i} is corrupt")
         rng = np.random.default_rng(i)
@@ -45,6 +56,20 @@ class MixedDataset:
             "key": f"k{i}",  # a field named like precache's own column
             "meta": {"size": [i, i + 1], "source": {"path": f"/data/{i}.png"}},
         }
+
+    def _wait_for_a_child(self) -> None:
+        if self.child_after < 0:
+            return
+        marker = Path(self.log + ".child")
+        if multiprocessing.parent_process() is not None:  # a spawned worker
+            marker.touch()
+            return
+        self._calls += 1
+        deadline = time.monotonic() + 60
+        while self._calls > self.child_after and not marker.exists():
+            if time.monotonic() > deadline:
+                return  # the test then finds no sample read by a spawned worker
+            time.sleep(0.01)
 
 
 class TupleDataset:

@@ -4,6 +4,7 @@ rebuilds and says why, and a sample whose ``__getitem__`` raises is quarantined.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,22 +14,30 @@ from torch.utils.data import DataLoader
 import precache
 from precache.bring_your_own import cache_dataset
 from precache.loading import make_loader
+from precache.processing.dataset_source import PROBE
 from tests.precache.processing.byo_datasets import MixedDataset, TupleDataset, same
 
 
 def _calls(log: Path) -> list[int]:
-    return [int(line) for line in log.read_text().split()] if log.exists() else []
+    return [int(line.split()[0]) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _pids(log: Path) -> set[int]:
+    return {int(line.split()[1]) for line in log.read_text().splitlines()}
 
 
 def test_a_dataset_cached_by_two_workers_gives_its_samples_back_and_reruns_incrementally(
         tmp_path: Path) -> None:
     log = tmp_path / "calls.log"
-    dataset = MixedDataset(n=24, fail_at=7, log=str(log))
+    dataset = MixedDataset(n=24, fail_at=7, log=str(log), child_after=PROBE)
     out = tmp_path / "cache"
     messages: list[str] = []
-    cached = cache_dataset(dataset, out, workers=2, progress=False, log=messages.append)
-    # every index once in the workers (and a few probed first); index 7 quarantined
+    cached = cache_dataset(dataset, out, workers=2, shard_rows=4, progress=False,
+                           log=messages.append)
+    # every index once in the workers (and a few probed first), some in the spawned one (the
+    # dataset pickled to it); index 7 quarantined
     assert sorted(set(_calls(log))) == list(range(24))
+    assert len(_pids(log) - {os.getpid()}) == 1
     assert len(cached) == 23
     expected = [dataset[i] for i in range(24) if i != 7]
     for i, want in enumerate(expected):
