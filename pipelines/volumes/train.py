@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.data import Subset
 
 from precache.augment import VolumeAugment
-from precache.loading import CachedDataset, DevicePrefetcher, PatchDataset, make_loader
+from precache.loading import (CachedDataset, DevicePrefetcher, PatchDataset, class_targets,
+                              make_loader)
 from precache.training.loop import Run, Step, Task, TrainData, fit
 from precache.training.settings import Settings, check_cache, training_parser
 
@@ -91,9 +92,9 @@ class VolumeClassification(Task):
         meta = CachedDataset(s.cache, columns=["label", "split"], generation=self.full.generation)
         rows = meta.read_batch(range(len(meta)))
         meta.close()
-        labels, splits = np.array(rows["label"], dtype=str), np.array(rows["split"], dtype=str)
-        self.classes = sorted(set(labels.tolist()))
-        self.index = {name: i for i, name in enumerate(self.classes)}
+        labels, splits = np.asarray(rows["label"]), np.array(rows["split"], dtype=str)
+        self.classes = class_targets(labels)[0]  # sorted; a .npz cache's integers stay integers
+        self.index = {str(name): i for i, name in enumerate(self.classes)}
         every = np.arange(len(labels))
         if (splits == "train").any():
             train_idx, val_idx = every[splits == "train"], every[splits == "val"]
@@ -183,7 +184,9 @@ class VolumeClassification(Task):
         return {"classes": self.classes, "width": self.args.width, "patch": self.patches}
 
     def check(self, state: dict[str, Any], path: str) -> None:
-        if state.get("classes") != self.classes or state.get("width") != self.args.width:
+        # as text: checkpoints from before integer labels saved "0", "1", ... for the same classes
+        saved = [str(c) for c in state.get("classes") or []]
+        if saved != [str(c) for c in self.classes] or state.get("width") != self.args.width:
             raise SystemExit(f"{path} was trained on labels {state.get('classes')} with width "
                              f"{state.get('width')}; this run has {self.classes}, "
                              f"width {self.args.width}")

@@ -35,7 +35,7 @@ def test_the_resnet3d_learns_the_synthetic_classes(npz_cache: Path, tmp_path: Pa
     assert records[-1]["train_loss"] < 0.5 * records[0]["train_loss"]
     assert records[-1]["val_acc"] >= 0.9  # 3 classes: chance is 1/3
     checkpoint = load_checkpoint(out / "last.pt")
-    assert checkpoint["classes"] == ["0", "1", "2"] and checkpoint["patch"] == 0
+    assert checkpoint["classes"] == [0, 1, 2] and checkpoint["patch"] == 0  # .npz: integers
 
 
 def test_patches_on_two_ranks_then_one_resumed_see_each_volume_once_per_epoch(

@@ -32,3 +32,23 @@ def class_targets(values: Sequence[Any] | np.ndarray) -> tuple[list[Any], np.nda
                          "give integers or strings")
     classes, targets = np.unique(array, return_inverse=True)
     return [kind(c) for c in classes.tolist()], targets.astype(np.int64).reshape(-1)
+
+
+def targets_in(values: Sequence[Any] | np.ndarray, classes: Sequence[Any] | None,
+               where: str) -> tuple[list[Any], np.ndarray]:
+    """``class_targets``, or with ``classes`` given (a user's order, e.g. a checkpoint's) each
+    row's index in them, matching a value and a class by their text (a class given as ``"1"``
+    names the integer label 1). ``where`` names the cache in the error.
+
+    Raises:
+        ValueError: a value is not among ``classes``.
+    """
+    if classes is None:
+        return class_targets(values)
+    names = list(classes)
+    index = {str(name): i for i, name in enumerate(names)}
+    text = [str(v) for v in np.asarray(values).tolist()]
+    unknown = sorted(set(text) - set(index))
+    if unknown:
+        raise ValueError(f"{where}: labels {unknown} are not in classes {names}")
+    return names, np.array([index[t] for t in text], dtype=np.int64)

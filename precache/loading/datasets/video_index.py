@@ -14,6 +14,7 @@ import numpy as np
 
 from precache.cache.image_codec import encoded_columns
 from precache.loading.datasets.cached import CachedDataset
+from precache.loading.datasets.targets import targets_in
 
 __all__ = ["INDEX_COLUMNS", "VideoIndex", "VideoCache", "open_video_cache", "label_targets"]
 
@@ -185,20 +186,13 @@ def open_video_cache(cache: str | os.PathLike[str], columns: Sequence[str] | Non
     return VideoCache(index, rows, has_label)
 
 
-def label_targets(labels: np.ndarray | None, classes: Sequence[str] | None,
-                  path: str) -> tuple[list[str], np.ndarray | None]:
-    """``classes`` (default: the sorted labels) and every video's index into it (int64), from
-    each video's label (``None``: the cache has no ``label`` column)."""
+def label_targets(labels: np.ndarray | None, classes: Sequence[Any] | None,
+                  path: str) -> tuple[list[Any], np.ndarray | None]:
+    """``classes`` (default: the sorted labels, integers kept as integers: ``targets_in``) and
+    every video's index into it (int64), from each video's label (``None``: the cache has no
+    ``label`` column)."""
     if labels is None:
         if classes is not None:
             raise ValueError(f"{path}: classes given, but the cache has no label column")
         return [], None
-    present = np.unique(labels).tolist()
-    names = present if classes is None else list(classes)
-    unknown = sorted(set(present) - set(names))
-    if unknown:
-        raise ValueError(f"{path}: labels {unknown} are not in classes {names}")
-    lookup = {name: i for i, name in enumerate(names)}
-    distinct, inverse = np.unique(labels, return_inverse=True)
-    targets = np.array([lookup[name] for name in distinct.tolist()], np.int64)
-    return names, targets[inverse.reshape(-1)]
+    return targets_in(labels, classes, path)

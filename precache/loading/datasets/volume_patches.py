@@ -47,6 +47,7 @@ import torch
 from precache.cache import Cache
 from precache.loading.datasets.cache_backed import CacheBackedByRows
 from precache.loading.datasets.cached import CachedDataset
+from precache.loading.datasets.targets import targets_in
 from precache.loading._engine.open_shards import OpenShards, fds_per_reader
 
 __all__ = ["PatchDataset", "patch_corners"]
@@ -67,7 +68,8 @@ class PatchDataset(CacheBackedByRows):
         patch: patch size, one value (a cube) or one per axis. Default 64.
         per_volume: patches of each volume per item. Default 4.
         column: the volume column. Default ``"volume"``.
-        classes: label names in ``target`` order (default: the cache's sorted labels; no
+        classes: labels in ``target`` order (default: the cache's sorted labels, integers kept as
+            integers; a class given as text names the integer label of that text; no
             ``target`` without a ``label`` column).
         seed: mixed into every process's random stream.
         generation: the generation to read (default: the current one).
@@ -86,7 +88,7 @@ class PatchDataset(CacheBackedByRows):
 
     def __init__(self, cache: str | os.PathLike[str], *, patch: int | Sequence[int] = 64,
                  per_volume: int = 4, column: str = "volume",
-                 classes: Sequence[str] | None = None, seed: int = 0,
+                 classes: Sequence[Any] | None = None, seed: int = 0,
                  generation: int | None = None) -> None:
         self.rows = CachedDataset(cache, columns=["key"], generation=generation)
         opened = Cache(self.path, generation=self.generation)
@@ -113,18 +115,12 @@ class PatchDataset(CacheBackedByRows):
         self.keys = np.array(self.rows.read_column("key"), dtype=str)
         self.rows.close_files()  # it holds the generation; volumes are read through _volumes
         self.labels: np.ndarray | None = None
-        self.classes: list[str] = []
+        self.classes: list[Any] = []
         if "label" in manifest.schema:
             labels = CachedDataset(cache, columns=["label"], generation=self.generation)
-            self.labels = np.array(labels.read_column("label"), dtype=str)
+            self.labels = np.asarray(labels.read_column("label"))
             labels.close()
-            self.classes = (list(classes) if classes is not None else
-                            sorted(set(self.labels.tolist())))
-            missing = set(self.labels) - set(self.classes)
-            if missing:
-                raise ValueError(f"labels {sorted(missing)} are not among classes {self.classes}")
-            index = {name: i for i, name in enumerate(self.classes)}
-            self.targets = np.array([index[name] for name in self.labels], dtype=np.int64)
+            self.classes, self.targets = targets_in(self.labels, classes, self.path)
         # volume readers: opened as items need them, as many at once as the process's open-file
         # limit allows (open_shards), least recently used closed first
         self._fds = fds_per_reader(manifest.format, {column: spec})

@@ -28,7 +28,7 @@ def test_patches_are_the_volume_at_their_corner(cache: Path):
         item, row = patches[index], volumes[index]
         assert item["patch"].shape == (5, 8, 6, 20) and item["key"] == row["key"]
         # the .npz's labels are integers (int64 column); PatchDataset names classes by str
-        assert patches.classes[item["target"]] == str(row["label"])
+        assert patches.classes[item["target"]] == row["label"]
         for (z, y, x), patch in zip(item["corner"], item["patch"]):
             assert x == 0  # the patch spans the axis
             np.testing.assert_array_equal(patch, row["volume"][z:z + 8, y:y + 6, x:x + 20])
