@@ -26,6 +26,7 @@ def _objects() -> dict[str, tuple[Callable[..., Any], Path]]:
     from precache.augment.face import FaceAugment
     from precache.augment.volume import VolumeAugment
     from precache.loading.datasets.cached import CachedDataset
+    from precache.bring_your_own import cache_dataset
     from precache.loading.loaders.cache_loader import make_loader
 
     found: dict[str, tuple[Callable[..., Any], Path]] = {
@@ -33,6 +34,7 @@ def _objects() -> dict[str, tuple[Callable[..., Any], Path]]:
         "VolumeAugment": (VolumeAugment, REPO / "docs" / "volumes.md"),
         "CachedDataset": (CachedDataset, REPO / "docs" / "stage2-loading.md"),
         "make_loader": (make_loader, REPO / "docs" / "stage2-loading.md"),
+        "cache_dataset": (cache_dataset, REPO / "docs" / "stage1.md"),
     }
     try:
         from precache.loading.interop.lightning import CacheDataModule
@@ -44,7 +46,8 @@ def _objects() -> dict[str, tuple[Callable[..., Any], Path]]:
 
 
 PAGES = _objects()
-NAMES = ["FaceAugment", "VolumeAugment", "CachedDataset", "make_loader", "CacheDataModule"]
+NAMES = ["FaceAugment", "VolumeAugment", "CachedDataset", "make_loader", "CacheDataModule",
+         "cache_dataset"]
 
 
 def public_parameters(obj: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -75,9 +78,11 @@ def parameter_rows(page: Path, name: str) -> dict[str, list[str]]:
 
 def default_text(parameter: inspect.Parameter) -> str:
     """What the default cell must contain: ``required``, or the default as Python writes it
-    (strings and tuples of strings with either quote)."""
+    (strings and tuples of strings with either quote; a function by its name, e.g. ``print``)."""
     if parameter.default is inspect.Parameter.empty:
         return "required"
+    if inspect.isroutine(parameter.default):
+        return parameter.default.__name__
     return repr(parameter.default).replace("'", '"')
 
 
