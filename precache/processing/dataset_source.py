@@ -34,7 +34,6 @@ from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
@@ -45,11 +44,12 @@ from precache.cache.reader import load_manifest
 from precache.cache.schema import ragged as as_ragged
 from precache.cache.transaction import WriteTransaction
 from precache.errors import RunError
-from precache.processing.executors import WorkerDied, run_tasks
+from precache.processing.executors import run_tasks
 from precache.processing.ops.base import Op, Sample
 from precache.processing.pipeline import Pipeline, PipelineError
 from precache.processing.plan import DEFAULT_SHARD_ROWS, make_tasks
-from precache.processing.runner import RunSummary, _wait_seconds, stage1_workers
+from precache.processing.runner import (RunSummary, _wait_seconds, commit_results,
+                                        stage1_workers, summarize)
 from precache.processing.sources import Input
 from precache.processing.worker import WorkerConfig
 from precache.storage.hashing import hash_bytes
@@ -570,32 +570,9 @@ def _run(dataset: Any, output: Any, pipeline: Pipeline, descriptions: list[dict[
         config = WorkerConfig(pipeline=pipeline, params={}, cache_root=str(layout.root),
                               cache_url=layout.url, format=format, fingerprint=fp,
                               pipeline_name=PIPELINE_NAME, fail_fast=fail_fast)
-        written = 0
-        bar = tqdm(total=len(todo), unit="sample", desc="precache",
-                   disable=not progress or not todo, dynamic_ncols=True)
-        try:
-            for result in run_tasks(tasks, config, workers):
-                for record in result.records:
-                    record["locator"] = locator[index_of[record["key"]]]
-                if result.failure is not None:
-                    f = result.failure
-                    raise RunError(f"{f['locator']} failed at stage '{f['stage']}': "
-                                   f"{f['error_type']}: {f['message']} (fail_fast); shards "
-                                   "finished so far are kept: re-run to resume")
-                tx.add(result.seq, result.shard, result.schema, journal=result.journal)
-                for record in result.records:
-                    kept[record["key"]] = record
-                if result.shard is not None:
-                    written += result.shard.bytes
-                bar.update(len(result.records))
-        except WorkerDied as e:
-            raise RunError(f"{e}\nfinished shards are kept: re-run the same call to resume "
-                           "(a worker killed, out of memory, or crashing in native code)") from None
-        except OSError as e:
-            raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
-                           "cause and re-run the same call to resume") from None
-        finally:
-            bar.close()
+        written = commit_results(tx, run_tasks(tasks, config, workers), kept, len(todo),
+                                 progress, again="call",
+                                 locate=lambda key: locator[index_of[key]])
         touched, rewritten = tx.drop_stale_rows(kept, get_format(format),
                                                 first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref="", params={}, ops=descriptions,
@@ -603,18 +580,9 @@ def _run(dataset: Any, output: Any, pipeline: Pipeline, descriptions: list[dict[
         if not tx.published:
             log(f"precache: cache '{tx.location}' is up to date (generation "
                 f"{manifest.generation}): nothing changed, nothing published")
-    failures = [r for r in kept.values() if r["status"] == "failed"]
-    return RunSummary(
-        cache=layout.root if layout.url is None else layout.url,
-        inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
-        skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
-        computed=len(todo), reused=len(inputs) - len(todo), deleted=deleted,
-        touched_shards=touched, rewritten_shards=rewritten,
-        wall_s=time.perf_counter() - start, cache_bytes=layout.store.total_bytes(),
-        shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
-        errors_table=manifest.errors["path"], generation=manifest.generation,
-        published=tx.published, waited_s=tx.waited_s,
-    )
+    return summarize(layout, manifest, tx, kept, computed=len(todo),
+                     reused=len(inputs) - len(todo), deleted=deleted, touched=touched,
+                     rewritten=rewritten, written=written, start=start)
 
 
 def dataset_from_ref(ref: str) -> Any | None:

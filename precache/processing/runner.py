@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -37,7 +38,7 @@ from precache.processing.executors import WorkerDied, require_ray, run_tasks, ru
 from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
 from precache.processing.records import escape_name
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
-from precache.processing.worker import WorkerConfig
+from precache.processing.worker import TaskResult, WorkerConfig
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
 from precache.cache.layout import CacheLayout
@@ -218,31 +219,9 @@ def run(
                               format=format, fingerprint=fp,
                               pipeline_name=pipeline.name, fail_fast=fail_fast,
                               max_input_bytes=max_input_bytes)
-        written = 0
-        bar = tqdm(total=len(todo), unit="sample", desc="precache", disable=not progress or not todo,
-                   dynamic_ncols=True)
-        try:
-            # No name for the generator: an exception must close it (stopping the workers)
-            # at once, not when its traceback is freed, after the lock is released.
-            for result in (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
-                           if executor == "ray" else run_tasks(tasks, config, workers)):
-                if result.failure is not None:
-                    raise RunError(_describe_failure(result.failure) + " (--fail-fast); shards "
-                                   "finished so far are kept: re-run to resume")
-                tx.add(result.seq, result.shard, result.schema, journal=result.journal)
-                for record in result.records:
-                    kept[record["key"]] = record
-                if result.shard is not None:
-                    written += result.shard.bytes
-                bar.update(len(result.records))
-        except WorkerDied as e:
-            raise RunError(f"{e}\nfinished shards are kept: re-run the same command to resume "
-                           "(a worker killed, out of memory, or crashing in native code)") from None
-        except OSError as e:
-            raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
-                           "cause and re-run the same command to resume") from None
-        finally:
-            bar.close()
+        results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
+                   if executor == "ray" else run_tasks(tasks, config, workers))
+        written = commit_results(tx, results, kept, len(todo), progress, again="command")
 
         touched, rewritten = tx.drop_stale_rows(kept, shard_format, first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref=pipeline.ref, params=resolved, ops=descriptions,
@@ -250,19 +229,70 @@ def run(
         if not tx.published:
             log(f"precache: cache '{tx.location}' is up to date (generation "
                 f"{manifest.generation}): nothing changed, nothing published")
-    wall = time.perf_counter() - start
-    cache_bytes = layout.store.total_bytes()
+    return summarize(layout, manifest, tx, kept, computed=len(todo), reused=len(inputs) - len(todo),
+                     deleted=deleted, touched=touched, rewritten=rewritten, written=written,
+                     start=start)
+
+
+def commit_results(tx: WriteTransaction, results: Iterator[TaskResult],
+                   kept: dict[str, dict[str, Any]], total: int, progress: bool, *,
+                   again: str, locate: Callable[[str], str] | None = None) -> int:
+    """Hand each finished task's shard to the transaction and its records to ``kept``, with a
+    progress bar; the bytes of the shards written. ``locate(key)``: a record's locator, where
+    the workers cannot know it. ``again`` names what the user re-runs ("command", "call").
+
+    Raises:
+        RunError: a task failed with fail-fast, a worker died, or writing failed; the shards
+            finished so far are kept (a re-run resumes). ``results`` is closed first, which
+            stops the workers at once (not when the traceback is freed, after the lock is
+            released).
+    """
+    written = 0
+    bar = tqdm(total=total, unit="sample", desc="precache", disable=not progress or not total,
+               dynamic_ncols=True)
+    try:
+        for result in results:
+            if locate is not None:
+                for record in [*result.records, *([result.failure] if result.failure else [])]:
+                    record["locator"] = locate(record["key"])
+            if result.failure is not None:
+                flag = "--fail-fast" if again == "command" else "fail_fast"
+                raise RunError(_describe_failure(result.failure) + f" ({flag}); shards "
+                               "finished so far are kept: re-run to resume")
+            tx.add(result.seq, result.shard, result.schema, journal=result.journal)
+            for record in result.records:
+                kept[record["key"]] = record
+            if result.shard is not None:
+                written += result.shard.bytes
+            bar.update(len(result.records))
+    except WorkerDied as e:
+        raise RunError(f"{e}\nfinished shards are kept: re-run the same {again} to resume "
+                       "(a worker killed, out of memory, or crashing in native code)") from None
+    except OSError as e:
+        raise RunError(f"writing the cache failed ({e}); finished shards are kept: fix the "
+                       f"cause and re-run the same {again} to resume") from None
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+        bar.close()
+    return written
+
+
+def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
+              kept: dict[str, dict[str, Any]], *, computed: int, reused: int, deleted: int,
+              touched: int, rewritten: int, written: int, start: float) -> RunSummary:
+    """A finished run's ``RunSummary``, from what it published."""
     failures = [r for r in kept.values() if r["status"] == "failed"]
     return RunSummary(
         cache=layout.root if layout.url is None else layout.url,
         inputs=manifest.counts["inputs"], ok=manifest.counts["ok"],
         skipped=manifest.counts["skipped"], failed=manifest.counts["failed"], rows=manifest.rows,
-        computed=len(todo), reused=len(inputs) - len(todo),
-        deleted=deleted, touched_shards=touched, rewritten_shards=rewritten, wall_s=wall,
-        cache_bytes=cache_bytes,
-        shard_bytes_written=written, failures=sorted(failures, key=lambda r: r["key"]),
-        errors_table=manifest.errors["path"], generation=manifest.generation,
-        published=tx.published, waited_s=tx.waited_s,
+        computed=computed, reused=reused, deleted=deleted, touched_shards=touched,
+        rewritten_shards=rewritten, wall_s=time.perf_counter() - start,
+        cache_bytes=layout.store.total_bytes(), shard_bytes_written=written,
+        failures=sorted(failures, key=lambda r: r["key"]), errors_table=manifest.errors["path"],
+        generation=manifest.generation, published=tx.published, waited_s=tx.waited_s,
     )
 
 
