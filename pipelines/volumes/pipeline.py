@@ -5,13 +5,15 @@
     precache run volumes -i ct/ -o cache/ --set window=-1000,400 --set spacing=1.5,1.5,3 \
         --set shape=128,128,96 --set foreground=0.05 --set labels=meta.csv
     precache run volumes -i big/ -o cache/ --set max_voxels=1073741824   # inputs over 2^29 voxels
-    precache run volumes -i dicom_zips/ -o cache/ --set spacing=1 --set shape=128  # DICOM series
+    precache run volumes -i dicom/ -o cache/ --set spacing=1 --set shape=128  # DICOM series
 
 Inputs: NIfTI (``.nii``, ``.nii.gz``; a 4D file gives one row per volume), ``.npy`` (one volume,
 or a stack N x D x H x W), MedMNIST-style ``.npz`` (``train_images`` / ``train_labels`` and
-``val_`` / ``test_``: one row per volume, with its label and ``split``) and DICOM series as one
-``.zip`` per series folder (read with pydicom; one row per ``SeriesInstanceUID``, keyed
-``<file>#<uid>``; a slice missing or of another geometry fails the input).
+``val_`` / ``test_``: one row per volume, with its label and ``split``) and DICOM series: a
+folder holding DICOM files (``*.dcm``, ``*.dicom``, ``*.ima``, or DICOM files without a suffix)
+is one input keyed by its path, as is a ``.zip`` of such a folder (read with pydicom; one row per
+``SeriesInstanceUID``, keyed ``<folder or file>#<uid>``; a slice missing or of another geometry
+fails the input; a changed slice recomputes its series).
 
 ``spacing`` is MONAI's ``Spacing``: the stored spacing is exactly the asked one, the shape follows.
 
@@ -36,6 +38,7 @@ from precache.processing.ops import (DEFAULT_MAX_VOXELS, VOLUME_EXTENSIONS, Crop
                                      DecodeVolume, FitShape, NormaliseIntensity, Op, Resample,
                                      VolumeLabels)
 from precache.processing.pipeline import Pipeline
+from precache.processing.sources import DICOM_SERIES_FOLDERS
 
 
 def make_ops(spacing: tuple = (0.0,), shape: tuple = (64,), percentiles: tuple = (0.5, 99.5),
@@ -56,8 +59,8 @@ def make_ops(spacing: tuple = (0.0,), shape: tuple = (64,), percentiles: tuple =
 pipeline = Pipeline(
     name="volumes",
     make_ops=make_ops,
-    extensions=VOLUME_EXTENSIONS,
-    description="3D volumes (NIfTI, .npy, MedMNIST .npz, DICOM series zipped) reoriented, "
+    extensions=(*VOLUME_EXTENSIONS, DICOM_SERIES_FOLDERS),  # a DICOM folder is one input
+    description="3D volumes (NIfTI, .npy, MedMNIST .npz, DICOM series folders or .zip) reoriented, "
                 "resampled, normalised, cropped to a fixed shape",
     shard_rows=32,  # inputs a shard: 32 volumes of 256^3 uint8 are 512 MB
 )

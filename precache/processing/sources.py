@@ -14,13 +14,23 @@ The output folder and everything under it are never inputs (``exclude``; compare
 path), so a cache kept inside its input folder does not read its own shards and tables. A file
 name that is not UTF-8 is an input like any other: its key and locator write each byte that is
 not UTF-8 as ``\\xHH`` (``records.escape_name``), and reading undoes that.
+
+A pipeline whose ``extensions`` include ``DICOM_SERIES_FOLDERS`` (volumes) also takes DICOM series
+kept on disk as folders: a local folder holding DICOM files directly (``*.dcm``, ``*.dicom``,
+``*.ima``, or files without a suffix that start as DICOM files do) is one input, keyed by its
+path; its size is its DICOM files' bytes and its time the newest of theirs and its own, and
+``read_bytes`` packs those files (sorted by name, under the folder's name) into one uncompressed
+``.zip`` in memory, the bytes a ``.zip`` of the folder would hold, so the plan hashes a series as
+one input and the readers take the folder as they take its ``.zip``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -34,7 +44,7 @@ from precache.storage import (Store, explained, is_remote, is_url, local_path, r
 
 __all__ = ["Input", "InputError", "list_inputs", "read_bytes", "LIST_SUFFIXES", "RECORD_SUFFIXES",
            "DEFAULT_MAX_INPUT_BYTES", "NotRegularFileError", "InputTooLargeError",
-           "check_max_input_bytes", "format_bytes"]
+           "check_max_input_bytes", "format_bytes", "DICOM_SERIES_FOLDERS"]
 
 DEFAULT_MAX_INPUT_BYTES = 2 * 1024**3
 """The most bytes one input may have (2 GiB): far above any photo, text record or short video, and
@@ -43,6 +53,19 @@ small enough that a runaway read (a link to ``/dev/zero``) fails its input, not 
 
 LIST_SUFFIXES = (".txt", ".lst")
 """An ``--input`` file with one of these suffixes is a list of input paths, one per line."""
+
+DICOM_SERIES_FOLDERS = "<DICOM series folders>/"
+"""Put among a pipeline's ``extensions`` (no file name ends in it: it holds a ``/``), it says
+that the pipeline takes a local folder of DICOM files as one input (a ``.zip`` of them, as
+``read_bytes`` gives it); other pipelines list a folder's files one by one."""
+
+_DICOM_SUFFIXES = (".dcm", ".dicom", ".ima")
+"""Files of a series folder that are DICOM slices by name (``volume_read.DICOM_SUFFIXES``); a
+file without a suffix is one if it starts as a DICOM file does (``DICM`` at byte 128)."""
+
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+"""Every member of a packed series folder has this time, so its bytes (and hash) depend only on
+the files' names and bytes."""
 
 
 class InputError(ValueError):
@@ -153,31 +176,72 @@ class _Output:
         return os.path.join(real, name)
 
 
-def _walk(root: Path, extensions: tuple[str, ...], output: _Output) -> Iterable[Input]:
-    """Files under ``root`` ending in ``extensions``; hidden entries, links to folders and the
+def _walk(root: Path, extensions: tuple[str, ...], output: _Output,
+          series: bool = False) -> Iterable[Input]:
+    """Files under ``root`` ending in ``extensions`` (and, with ``series``, each folder holding
+    DICOM files as one input: ``_series_input``); hidden entries, links to folders and the
     output folder skipped."""
-    folders = [("", str(root), os.path.realpath(root))]
+    folders = [("", str(root))]
     while folders:
-        prefix, folder, real = folders.pop()
+        prefix, folder = folders.pop()
+        dicom: list[os.DirEntry[str]] = []
         with os.scandir(folder) as entries:
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
                 if entry.is_dir(follow_symlinks=False):
-                    sub = os.path.join(real, entry.name)
-                    if output.real is None or not _inside(sub, output.real):
-                        folders.append((f"{prefix}{entry.name}/", entry.path, sub))
-                elif entry.name.lower().endswith(extensions):
-                    if output.real is not None and _inside(
-                            os.path.realpath(entry.path) if entry.is_symlink()
-                            else os.path.join(real, entry.name), output.real):
-                        continue
+                    if not output.holds(entry.path):
+                        folders.append((f"{prefix}{entry.name}/", entry.path))
+                elif series and _is_dicom_file(entry):
+                    dicom.append(entry)
+                elif entry.name.lower().endswith(extensions) and not output.holds(entry.path):
                     key, locator = escape_name(prefix + entry.name), escape_name(entry.path)
                     try:
                         st = entry.stat()
                         yield Input(key, locator, st.st_size, st.st_mtime_ns)
                     except OSError:  # a broken link: listed, and reading it fails with the reason
                         yield Input(key, locator, -1, -1)
+        if dicom:
+            key = prefix.rstrip("/") or os.path.basename(os.path.abspath(folder))
+            yield _series_input(key, folder, dicom)
+
+
+def _is_dicom_file(entry: os.DirEntry[str]) -> bool:
+    """True for a slice of a series folder: a visible non-folder named ``*.dcm``, ``*.dicom``,
+    ``*.ima`` (reading a FIFO or a broken link so named fails the series with the reason), or a
+    regular file without a suffix that starts as DICOM files do (a README is not one)."""
+    name = entry.name
+    if name.startswith(".") or name.upper() == "DICOMDIR" or entry.is_dir():
+        return False
+    if "." in name:
+        return name[name.rfind("."):].lower() in _DICOM_SUFFIXES
+    if not entry.is_file():  # a FIFO or a device is never opened to look inside
+        return False
+    try:
+        fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            return f.read(132)[128:] == b"DICM"
+    except OSError:
+        return False
+
+
+def _dicom_files(folder: str) -> list[os.DirEntry[str]]:
+    """The DICOM files directly in ``folder`` (``_is_dicom_file``), sorted by name."""
+    with os.scandir(folder) as entries:
+        return sorted((e for e in entries if _is_dicom_file(e)), key=lambda e: e.name)
+
+
+def _series_input(key: str, folder: str, files: list[os.DirEntry[str]]) -> Input:
+    """The series folder ``folder`` as one input (locator: its path and a ``/``): its files'
+    bytes, and the newest time of theirs and its own (a file added, removed or renamed changes
+    the folder's), so the plan's size-and-time check sees a changed slice."""
+    key, locator = escape_name(key), escape_name(folder.rstrip(os.sep)) + "/"
+    try:
+        stats = [entry.stat() for entry in files]
+        newest = max([os.stat(folder).st_mtime_ns] + [st.st_mtime_ns for st in stats])
+        return Input(key, locator, sum(st.st_size for st in stats), newest)
+    except OSError:  # a broken link: listed, and reading it fails with the reason
+        return Input(key, locator, -1, -1)
 
 
 def _records(item: Input) -> Iterable[Input]:
@@ -204,9 +268,10 @@ def _expand_records(inputs: list[Input], extensions: tuple[str, ...]) -> list[In
     return out
 
 
-def _read_list(list_file: Path, output: _Output) -> Iterable[Input]:
+def _read_list(list_file: Path, output: _Output, series: bool = False) -> Iterable[Input]:
     """The entries of a list file (bytes that are not UTF-8 name files as the OS does), but
-    those in the output folder."""
+    those in the output folder; with ``series``, an entry naming a folder of DICOM files is
+    that series."""
     if not _is_regular(list_file):
         raise InputError(f"input list '{escape_name(str(list_file))}' is not a regular file "
                          f"({_kind(list_file.stat().st_mode)}); pass a file, or a folder")
@@ -215,12 +280,17 @@ def _read_list(list_file: Path, output: _Output) -> Iterable[Input]:
         entry = line.strip()
         if entry and not entry.startswith("#"):
             path = Path(entry) if Path(entry).is_absolute() else base / entry
-            if not output.holds(str(path)):
-                yield _stat_input(entry, path)
+            if output.holds(str(path)):
+                continue
+            files = _dicom_files(str(path)) if series and path.is_dir() else []
+            yield _series_input(entry.rstrip("/"), str(path), files) if files \
+                else _stat_input(entry, path)
 
 
-def _list_local(root: Path, extensions: tuple[str, ...], output: _Output) -> list[Input]:
-    """The inputs at a local path (before record files are expanded)."""
+def _list_local(root: Path, extensions: tuple[str, ...], output: _Output,
+                series: bool = False) -> list[Input]:
+    """The inputs at a local path (before record files are expanded); ``series``: folders of
+    DICOM files are inputs too (``_walk``)."""
     shown = escape_name(str(root))
     if not root.exists():
         raise InputError(f"input path '{shown}' does not exist")
@@ -229,11 +299,11 @@ def _list_local(root: Path, extensions: tuple[str, ...], output: _Output) -> lis
                          "precache writes its cache: put the inputs elsewhere, or choose "
                          "another --output")
     if root.is_dir():
-        inputs = list(_walk(root, extensions, output))
+        inputs = list(_walk(root, extensions, output, series))
     elif root.name.lower().endswith(extensions):
         inputs = [_stat_input(root.name, root)]
     elif root.suffix.lower() in LIST_SUFFIXES:
-        inputs = list(_read_list(root, output))
+        inputs = list(_read_list(root, output, series))
     else:
         raise InputError(
             f"input '{shown}' is neither a folder, a file ending in {', '.join(extensions)}, "
@@ -333,6 +403,9 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
     with ``datasets``; where ``.arrow`` is among ``extensions``): its rows are the records of
     those files, read as they are on disk (a ``set_transform`` or ``set_format`` is not applied).
 
+    With ``DICOM_SERIES_FOLDERS`` among ``extensions``, a local folder holding DICOM files is
+    one input too (the folder ``path`` itself, one in the folder searched, or one a list names).
+
     ``exclude`` (the run's output) and everything under it are never inputs: a local folder by
     resolved path (links followed), a URL by prefix.
 
@@ -344,6 +417,8 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
     dataset = path if hasattr(path, "cache_files") and hasattr(path, "num_rows") else None
     root = "datasets.Dataset" if dataset is not None else os.fspath(path)
     output = _Output(exclude)
+    series = DICOM_SERIES_FOLDERS in extensions
+    extensions = tuple(e for e in extensions if e != DICOM_SERIES_FOLDERS)
     if dataset is not None:
         if ".arrow" not in extensions:
             raise InputError(f"this pipeline reads {', '.join(extensions)} files, not the Arrow "
@@ -352,7 +427,7 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
     elif is_remote(root):
         inputs = _outside_url(root, list_remote_inputs(root, extensions), exclude)
     else:
-        inputs = _list_local(Path(root), extensions, output)
+        inputs = _list_local(Path(root), extensions, output, series)
     root = escape_name(root)
     inputs = _expand_records(inputs, extensions)
     if dataset is not None and len(inputs) != dataset.num_rows:
@@ -360,7 +435,9 @@ def list_inputs(path: str | os.PathLike[str] | Any, extensions: tuple[str, ...],
                          f"{len(inputs)} (part of it is in memory): save_to_disk(folder) and "
                          "pass the folder")
     if not inputs:
-        raise InputError(f"no inputs ending in {', '.join(extensions)} found under '{root}'")
+        folders = " (or folders of DICOM files)" if series else ""
+        raise InputError(f"no inputs ending in {', '.join(extensions)}{folders} found under "
+                         f"'{root}'")
     inputs.sort(key=lambda item: natural_key(item.key))
     keys = [item.key for item in inputs]
     if len(set(keys)) != len(keys):
@@ -411,7 +488,9 @@ def _read_local(path: str, max_bytes: int) -> bytes:
 
 
 def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
-    """Read an input's bytes: a file, or one record of a record file (see ``precache.processing.records``).
+    """Read an input's bytes: a file, one record of a record file (see
+    ``precache.processing.records``), or a DICOM series folder (its locator ends in ``/``) packed
+    as a ``.zip``.
 
     Only a regular file (or a link to one) is read, and at most ``max_bytes`` of it.
 
@@ -421,6 +500,8 @@ def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
             while reading).
         OSError: it cannot be read, with the reason.
     """
+    if locator.endswith("/") and not is_remote(locator):
+        return _read_series_folder(real_name(locator[:-1]), max_bytes)
     record = read_record(locator)
     if record is not None:
         if len(record) > max_bytes:
@@ -432,3 +513,32 @@ def read_bytes(locator: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
             raise _too_large(None, max_bytes)
         return data
     return _read_local(real_name(locator), max_bytes)
+
+
+def _read_series_folder(folder: str, max_bytes: int) -> bytes:
+    """The DICOM files directly in ``folder`` (``_dicom_files``: those its listing counted) in
+    one uncompressed ``.zip``, each named ``<folder name>/<file name>`` in name order, as
+    ``zip -0 -r`` of the folder holds them; each file read as ``_read_local`` reads one, and
+    ``max_bytes`` bounding them all together."""
+    try:
+        files = _dicom_files(folder)
+    except NotADirectoryError:
+        raise NotRegularFileError(f"'{escape_name(folder)}' is no longer a folder; re-run to "
+                                  "list the inputs again") from None
+    if not files:
+        raise FileNotFoundError(f"'{escape_name(folder)}' holds no DICOM files any more; "
+                                "re-run to list the inputs again")
+    name = escape_name(os.path.basename(folder))
+    buffer, total = io.BytesIO(), 0
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for entry in files:
+            try:
+                data = _read_local(entry.path, max_bytes)
+            except OSError as e:  # the series fails, naming the slice
+                raise type(e)(f"'{name}/{escape_name(entry.name)}': {e}") from None
+            total += len(data)
+            if total > max_bytes:
+                raise _too_large(total, max_bytes)
+            archive.writestr(zipfile.ZipInfo(f"{name}/{escape_name(entry.name)}", _ZIP_TIME),
+                             data)
+    return buffer.getvalue()

@@ -3,10 +3,13 @@ from a known NumPy volume and a known world geometry, zipped one series folder p
 (file names shuffled, so only ``ImagePositionPatient`` orders them), come out as the NIfTI file
 of the same data and geometry does, and as MONAI's ``PydicomReader`` reads the folder; a series
 missing a slice, and an archive holding a file that is not DICOM, are failed inputs with the
-file's name and the fix."""
+file's name and the fix. A plain folder of DICOM files is one input too, read as its ``.zip``."""
 
 from __future__ import annotations
 
+import io
+import os
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 
 from precache import Cache
 from precache.loading import CachedDataset
+from precache.processing.sources import list_inputs, read_bytes
 from tests.helpers import build_cache
 
 pydicom = pytest.importorskip("pydicom")
@@ -121,16 +125,25 @@ def dicom_cache(tmp_path_factory: pytest.TempPathFactory) -> dict:
     missing = names["oblique"][3]  # the 4th slice by position: a gap inside the series
     zip_folder([folders["oblique"]], inputs / "missing.zip", skip=missing)
     zip_folder([folders["flipped"]], inputs / "junk.zip", junk=True)
-    build_cache(inputs, root / "cache", pipeline="volumes", workers=1,
-                params={"shape": SHAPE, "normalise": "none", "dtype": "float32",
-                        "labels": "none"})
-    dataset = CachedDataset(root / "cache")
-    batch = dataset.read_batch(range(len(dataset)))
-    dataset.close()
-    rows = {key: {name: values[i] for name, values in batch.items()}
-            for i, key in enumerate(batch["key"])}
+    build_cache(inputs, root / "cache", pipeline="volumes", workers=1, params=PARAMS)
     errors = {r["key"]: r["message"] for r in Cache(root / "cache").read_errors().to_pylist()}
-    return {"rows": rows, "errors": errors, "folders": folders, "names": names}
+    return {"rows": read_rows(root / "cache"), "errors": errors, "folders": folders,
+            "names": names, "inputs": inputs}
+
+
+PARAMS = {"shape": SHAPE, "normalise": "none", "dtype": "float32", "labels": "none"}
+"""Values kept (float32), no resampling: the rows are the volumes as read."""
+
+
+def read_rows(cache: Path) -> dict[str, dict]:
+    """key -> row (column -> value) of every row of ``cache``."""
+    dataset = CachedDataset(cache)
+    try:
+        batch = dataset.read_batch(range(len(dataset)))
+    finally:
+        dataset.close()
+    return {key: {name: values[i] for name, values in batch.items()}
+            for i, key in enumerate(batch["key"])}
 
 
 def test_a_dicom_series_is_stored_as_the_nifti_of_the_same_data(dicom_cache):
@@ -178,7 +191,7 @@ def test_a_series_missing_a_slice_or_holding_junk_is_a_failed_input(dicom_cache)
             "2.5 mm (a slice missing") in missing
     assert "add the missing file" in missing and "\n" not in missing
     assert ("'flipped/IM9999.dcm' is not a readable DICOM file" in errors["junk.zip"]
-            and "remove it from the .zip" in errors["junk.zip"])
+            and "remove it from the series folder or .zip" in errors["junk.zip"])
 
 
 def test_the_affine_names_the_world_point_written_into_the_headers(dicom_cache):
@@ -191,3 +204,82 @@ def test_the_affine_names_the_world_point_written_into_the_headers(dicom_cache):
     raw = raw_volume(1)[:, ::-1, ::-1]
     np.testing.assert_array_equal(row["volume"], raw * SLOPE + INTERCEPT)
 
+
+
+def test_a_folder_of_dicom_files_is_one_input_read_as_its_zip(dicom_cache, tmp_path):
+    """Series kept on disk as folders (beside a NIfTI file) give the rows their .zip files give;
+    a re-run computes nothing, and a changed slice recomputes its series alone (a slice only
+    touched, its bytes the same, recomputes nothing)."""
+    scans = tmp_path / "scans"
+    for name, folder in dicom_cache["folders"].items():
+        shutil.copytree(folder, scans / "ct" / name)
+    shutil.copy(dicom_cache["inputs"] / "oblique.nii.gz", scans / "oblique.nii.gz")
+    first = build_cache(scans, tmp_path / "cache", pipeline="volumes", workers=1, params=PARAMS)
+    assert (first.inputs, first.computed, first.failed) == (3, 3, 0)
+    rows, uids = read_rows(tmp_path / "cache"), {}
+    for n, name in enumerate(GEOMETRIES):
+        uids[name] = uid = f"1.2.826.0.1.3680043.8.498.{n + 1}"
+        zipped, folder = dicom_cache["rows"][f"{name}.zip#{uid}"], rows[f"ct/{name}#{uid}"]
+        assert folder["source_key"] == f"ct/{name}"
+        for column in ("volume", "affine", "spacing", "original_shape", "original_spacing"):
+            np.testing.assert_array_equal(folder[column], zipped[column])
+    assert sorted(rows) == ["ct/flipped#" + uids["flipped"], "ct/oblique#" + uids["oblique"],
+                            "oblique.nii.gz"]
+
+    again = build_cache(scans, tmp_path / "cache", pipeline="volumes", workers=1, params=PARAMS)
+    assert (again.computed, again.reused) == (0, 3)
+
+    changed = scans / "ct" / "oblique" / dicom_cache["names"]["oblique"][0]  # slice k = 0
+    data = bytearray(changed.read_bytes())
+    data[-2:] = (7).to_bytes(2, "little", signed=True)  # voxel (15, 11, 0): the last pixel
+    changed.write_bytes(bytes(data))
+    touched = scans / "ct" / "flipped" / dicom_cache["names"]["flipped"][0]
+    for path in (changed, touched):  # a newer time, whatever the file system's resolution
+        stamp = path.stat().st_mtime_ns + 2_000_000_000
+        os.utime(path, ns=(stamp, stamp))
+    third = build_cache(scans, tmp_path / "cache", pipeline="volumes", workers=1, params=PARAMS)
+    assert (third.computed, third.reused, third.failed) == (1, 2, 0)
+    oblique = read_rows(tmp_path / "cache")[f"ct/oblique#{uids['oblique']}"]["volume"]
+    expected = raw_volume(0) * SLOPE + INTERCEPT
+    expected[SHAPE[0] - 1, SHAPE[1] - 1, 0] = 7 * SLOPE + INTERCEPT
+    np.testing.assert_array_equal(oblique, expected)
+
+
+def test_only_folders_holding_dicom_files_are_series(dicom_cache, tmp_path):
+    """A folder without DICOM files is walked as before (a README without a suffix is not
+    DICOM); suffix-less DICOM files make a series; the folder given as the input, or named by a
+    list, is a series too; a series in the output folder is not an input; a folder named in
+    Latin-1 reads back; other pipelines list no folders."""
+    from pipelines.volumes.pipeline import pipeline
+
+    oblique = dicom_cache["folders"]["oblique"]
+    data = tmp_path / "data"
+    (data / "plain" / "sub").mkdir(parents=True)
+    (data / "plain" / "README").write_text("not DICOM, and no suffix\n")
+    (data / "plain" / "notes.txt").write_text("notes\n")
+    np.save(data / "plain" / "sub" / "scan.npy", np.zeros((2, 2, 2), np.float32))
+    shutil.copy(dicom_cache["inputs"] / "flipped.nii.gz", data / "plain" / "a.nii.gz")
+    (data / "bare").mkdir()  # DICOM files named without a suffix, as many scanners write them
+    for n, file in enumerate(sorted(oblique.iterdir())):
+        shutil.copy(file, data / "bare" / f"{n:08d}")
+    shutil.copytree(oblique, data / "out" / "series")
+    latin = os.fsencode(data) + b"/caf\xe9"
+    shutil.copytree(oblique, os.fsdecode(latin))
+
+    listed = list_inputs(data, pipeline.extensions, exclude=data / "out")
+    assert [i.key for i in listed] == ["bare", "caf\\xe9", "plain/a.nii.gz", "plain/sub/scan.npy"]
+    bare, latin_series = listed[0], listed[1]
+    assert bare.size == sum(f.stat().st_size for f in oblique.iterdir())
+    with zipfile.ZipFile(io.BytesIO(read_bytes(bare.locator))) as archive:
+        assert archive.namelist() == [f"bare/{n:08d}" for n in range(SHAPE[2])]
+    assert read_bytes(bare.locator) == read_bytes(bare.locator)  # the same bytes: the same hash
+    with zipfile.ZipFile(io.BytesIO(read_bytes(latin_series.locator))) as archive:
+        assert archive.namelist() == [f"caf\\xe9/{f.name}" for f in sorted(oblique.iterdir())]
+
+    assert [i.key for i in list_inputs(oblique, pipeline.extensions)] == ["oblique"]
+    (tmp_path / "series.lst").write_text("data/bare/\ndata/plain/a.nii.gz\n")
+    assert [i.key for i in list_inputs(tmp_path / "series.lst", pipeline.extensions)] \
+        == ["data/bare", "data/plain/a.nii.gz"]
+    assert list_inputs(tmp_path / "series.lst", pipeline.extensions)[0].locator == bare.locator
+    assert [i.key for i in list_inputs(data, (".nii.gz", ".npy"))] \
+        == ["plain/a.nii.gz", "plain/sub/scan.npy"]

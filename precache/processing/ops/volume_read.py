@@ -280,7 +280,7 @@ def _dicom_zip(data: bytes, max_voxels: int) -> list[VolumeRecord]:
                          "suffix); put one series folder's files in it")
     inflated = sum(m.file_size for m in members)
     if inflated > 4 * max_voxels + len(members) * 65536:
-        raise ValueError(f"the .zip's DICOM files inflate to {inflated:,} bytes: more than "
+        raise ValueError(f"the series' DICOM files hold {inflated:,} bytes: more than "
                          f"max_voxels ({max_voxels:,}) allows, so they are not decoded; if the "
                          "series is real, raise the limit with --set max_voxels=N")
     series: dict[str, list[tuple[str, Any]]] = {}
@@ -290,7 +290,8 @@ def _dicom_zip(data: bytes, max_voxels: int) -> list[VolumeRecord]:
                 ds = pydicom.dcmread(io.BytesIO(archive.read(member)))
             except Exception as e:  # noqa: BLE001 - pydicom and zipfile raise many kinds
                 raise ValueError(f"'{member.filename}' is not a readable DICOM file "
-                                 f"({type(e).__name__}: {e}); remove it from the .zip or "
+                                 f"({type(e).__name__}: {e}); remove it from the series "
+                                 "folder or .zip or "
                                  "export it again") from None
             uid = str(getattr(ds, "SeriesInstanceUID", "") or "")
             if not uid:
@@ -325,7 +326,7 @@ def _size(name: str, ds: Any) -> tuple[int, int]:
         return int(ds.Rows), int(ds.Columns)
     except (AttributeError, TypeError, ValueError):
         raise ValueError(f"'{name}' has no Rows / Columns: not an image slice; remove it from "
-                         "the .zip") from None
+                         "the series folder or .zip") from None
 
 
 def _dicom_series(uid: str, slices: list[tuple[str, Any]]) -> VolumeRecord:
@@ -399,7 +400,8 @@ def read_volumes(data: bytes, name: str,
 
     Args:
         data: the file's bytes.
-        name: its name (``.nii``, ``.nii.gz``, ``.npy``, ``.npz``, or ``.zip``: DICOM series).
+        name: its name (``.nii``, ``.nii.gz``, ``.npy``, ``.npz``, or ``.zip``: DICOM series;
+            a DICOM series folder's bytes are a ``.zip``, whatever its name).
         max_voxels: the most voxels its header may claim, all volumes together (checked
             before any voxel is decoded).
 
@@ -416,8 +418,8 @@ def read_volumes(data: bytes, name: str,
     lowered = name.lower()
     if lowered.endswith(".npz"):
         records = _npz(data, max_voxels)
-    elif lowered.endswith(".zip"):
-        records = _dicom_zip(data, max_voxels)
+    elif lowered.endswith(".zip") or data[:4] == b"PK\x03\x04":  # a DICOM series folder,
+        records = _dicom_zip(data, max_voxels)                      # packed by sources.py
     elif lowered.endswith(".npy"):
         records = _npy(data, max_voxels)
     else:
