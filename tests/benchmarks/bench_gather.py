@@ -51,7 +51,6 @@ import gc
 import json
 import math
 import multiprocessing
-import os
 import shutil
 import statistics
 import sys
@@ -65,6 +64,7 @@ import numpy as np
 import torch
 
 import precache
+from precache.cli.bench.measure import drop_page_cache
 from precache.loading import CachedDataset, make_loader
 
 PIPELINE = str(Path(__file__).with_name("synthetic_faces.py"))
@@ -110,18 +110,6 @@ def open_limit(folder: Path) -> tuple[dict[str, np.ndarray], Keys]:
     arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ALL}
     keys = np.load(folder / "key.npy", mmap_mode="r")
     return arrays, (memoryview(keys), np.load(folder / "key_offsets.npy", mmap_mode="r"))
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    """Evict these files from the page cache (``posix_fadvise(DONTNEED)`` after ``sync``: no
-    root needed). Pages a live process maps stay: drop before opening."""
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def epochs(rows: int, seed: int, rank: int = 0, world: int = 1,

@@ -54,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import precache
+from precache.cli.bench.measure import drop_page_cache
 from precache.loading import CachedDataset, make_loader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,17 +167,6 @@ def limit_loader(values: Path, offsets: Path, workers: int, seed: int) -> DataLo
 
 
 # --- timing -------------------------------------------------------------------------------------
-
-
-def drop_page_cache(paths: Iterable[Path]) -> None:
-    """Evict these files from the page cache (no root needed; pages still mapped stay)."""
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def consume(batch: dict[str, Any]) -> tuple[int, int, int]:
