@@ -1,4 +1,5 @@
-"""Bring your own pipeline: a map-style ``Dataset`` cached as it is.
+"""Bring your own pipeline: a map-style ``Dataset`` cached as it is, or a transform chain split at
+its first random step (``cache_transforms``: the deterministic prefix cached, the tail run online).
 
 ``cache_dataset(dataset, output)`` runs ``dataset[i]`` once per index in stage 1's workers
 (``precache.processing.dataset_source``) and returns a ``CachedDataset`` whose samples are the
@@ -9,7 +10,13 @@ sits above both stages (stage 1 must not import stage 2), as ``precache`` itself
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import inspect
+import json
 import os
+import random
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +27,10 @@ from precache.cache.reader import load_manifest
 from precache.cache.layout import CacheLayout
 from precache.cache.generations import DEFAULT_RETENTION_S
 from precache.loading import CachedDataset
-from precache.processing.dataset_source import SampleLayout, run_dataset
+from precache.processing.dataset_source import SampleLayout, _simple, run_dataset
 
-__all__ = ["cache_dataset", "RestoreSample"]
+__all__ = ["cache_dataset", "cache_transforms", "is_random", "Chain", "RandomTail",
+           "RestoreSample", "TransformedSample", "read_image_item", "transforms_version"]
 
 
 class RestoreSample:
@@ -137,3 +145,422 @@ def cache_dataset(
     cache = summary.cache if isinstance(summary.cache, str) else os.fspath(summary.cache)
     return CachedDataset(cache, columns=layout.stored_columns(),
                          transform=RestoreSample(layout.to_json()), **dataset_options)
+
+
+# ---- a transform chain split at its first random step ---------------------------------------------
+
+_TORCHVISION_RANDOM = frozenset({
+    "ColorJitter", "RandAugment", "TrivialAugmentWide", "AutoAugment", "AugMix", "GaussianBlur",
+    "GaussianNoise", "ElasticTransform", "ScaleJitter", "MixUp", "CutMix"})
+"""torchvision v2 transforms that draw random parameters although not named ``Random...``."""
+
+_RNG_ATTRS = ("random_generator", "py_random")
+"""What an Albumentations transform draws its random parameters from."""
+
+_STATE_ATTRS = frozenset({"R", *_RNG_ATTRS, "filenames"})
+"""Attributes that change as a transform runs, left out of the fingerprint: random states, the
+files a MONAI reader read last (thread-local state is left out too)."""
+
+_META = "__meta__"
+"""The field of a cached MONAI sample holding each ``MetaTensor``'s affine (``__meta__.image``)."""
+
+
+def _module(obj: Any) -> str:
+    return type(obj).__module__ or ""
+
+
+def _is_monai(obj: Any) -> bool:
+    return _module(obj).startswith("monai.")
+
+
+def _is_albumentations(obj: Any) -> bool:
+    return _module(obj).startswith("albumentations.")
+
+
+def _albumentations_random(transform: Any) -> bool:
+    """An Albumentations transform is random when it may be skipped (``p < 1``), when it is a
+    composition (``OneOf``, ``SomeOf``, ``Sequential``...: not looked into), or when its
+    parameter methods (``get_params``, ``get_params_dependent_on_data``, its own or inherited
+    from albumentations' transform modules, not ``albumentations.core``) draw from its random
+    generators (``random_generator``, ``py_random``). Conservative: a transform that draws
+    only for some arguments (``LongestMaxSize`` with a list of sizes) counts as random."""
+    from albumentations.core.composition import BaseCompose
+
+    if isinstance(transform, BaseCompose) or float(getattr(transform, "p", 1.0)) < 1.0:
+        return True
+    for cls in type(transform).__mro__:
+        module = cls.__module__ or ""
+        if not module.startswith("albumentations.") or module.startswith("albumentations.core"):
+            continue
+        for name in ("get_params", "get_params_dependent_on_data"):
+            method = cls.__dict__.get(name)
+            if method is None:
+                continue
+            try:
+                source = inspect.getsource(method)
+            except (OSError, TypeError):
+                return True
+            if any(attr in source for attr in _RNG_ATTRS):
+                return True
+    return False
+
+
+def is_random(transform: Any) -> bool:
+    """Whether ``transform`` marks the end of the cached prefix: a MONAI transform that is
+    ``Randomizable``/``RandomizableTrait`` (or not a MONAI ``Transform`` at all, as MONAI's
+    ``CacheDataset`` decides), a random Albumentations transform (``_albumentations_random``),
+    a torchvision v2 transform named ``Random...`` (or ``ColorJitter``, ``RandAugment`` ...);
+    any other callable counts as random (precache cannot know: pass ``split=``)."""
+    if _is_monai(transform):
+        from monai.transforms import RandomizableTrait, Transform
+
+        return isinstance(transform, RandomizableTrait) or not isinstance(transform, Transform)
+    if _is_albumentations(transform):
+        return _albumentations_random(transform)
+    if _module(transform).startswith("torchvision.transforms.v2"):
+        name = type(transform).__name__
+        return name.startswith("Random") or name in _TORCHVISION_RANDOM
+    return True
+
+
+def _albumentations_compose(chain: Any, transforms: list[Any]) -> Any:
+    """An Albumentations ``Compose`` of ``transforms`` with ``chain``'s settings."""
+    import albumentations as A
+
+    processors = getattr(chain, "processors", {})
+    return A.Compose(
+        transforms,
+        bbox_params=processors["bboxes"].params if "bboxes" in processors else None,
+        keypoint_params=processors["keypoints"].params if "keypoints" in processors else None,
+        additional_targets=dict(getattr(chain, "_additional_targets", {}) or {}) or None,
+        is_check_shapes=getattr(chain, "is_check_shapes", True),
+        strict=getattr(chain, "_strict", False),
+        mask_interpolation=getattr(chain, "mask_interpolation", None),
+        seed=getattr(chain, "seed", None))
+
+
+class Chain:
+    """A transform chain as precache runs it: ``kind`` (``monai``, ``albumentations`` or
+    ``callables``), its ``transforms`` and ``split``, the index of the first random one
+    (``None``: none is). ``prefix(item)`` runs the transforms before it, ``tail`` the rest."""
+
+    def __init__(self, transforms: Any, split: int | None = None) -> None:
+        self.chain, self.kind, self.transforms = self._normalise(transforms)
+        if split is None:
+            if self.kind == "monai" and type(self.chain).__name__ != "Compose":
+                split = 0  # OneOf, RandomOrder, SomeOf: random as a whole
+            elif self.kind == "albumentations" and float(getattr(self.chain, "p", 1.0)) < 1.0:
+                split = 0
+            else:
+                split = next((i for i, t in enumerate(self.transforms) if is_random(t)), None)
+        if split is not None and not 0 <= split <= len(self.transforms):
+            raise ValueError(f"split={split} is outside the chain's {len(self.transforms)} "
+                             "transforms")
+        self.split = None if split == len(self.transforms) else split
+
+    @staticmethod
+    def _normalise(transforms: Any) -> tuple[Any, str, list[Any]]:
+        if _is_monai(transforms) and hasattr(transforms, "transforms"):
+            return transforms, "monai", list(transforms.transforms)
+        if _is_albumentations(transforms) and hasattr(transforms, "transforms"):
+            return transforms, "albumentations", list(transforms.transforms)
+        if hasattr(transforms, "transforms"):
+            listed = list(transforms.transforms)
+        elif isinstance(transforms, (list, tuple)):
+            listed = list(transforms)
+        else:
+            listed = [transforms]
+        if listed and all(_is_monai(t) for t in listed):
+            from monai.transforms import Compose
+
+            chain = Compose(listed)
+            return chain, "monai", list(chain.transforms)
+        if listed and all(_is_albumentations(t) for t in listed):
+            chain = _albumentations_compose(None, listed)
+            return chain, "albumentations", listed
+        return listed, "callables", listed
+
+    @property
+    def prefix_names(self) -> list[str]:
+        end = len(self.transforms) if self.split is None else self.split
+        return [type(t).__name__ for t in self.transforms[:end]]
+
+    def prefix(self, item: Any) -> Any:
+        """``item`` through the deterministic transforms (MONAI: as ``CacheDataset`` runs
+        them, ``threading=True``: thread-unsafe transforms copied)."""
+        end = self.split
+        if self.kind == "monai":
+            return self.chain(item, end=end, threading=True)
+        if self.kind == "albumentations":
+            if not hasattr(self, "_prefix"):
+                self._prefix = _albumentations_compose(self.chain, self.transforms[:end])
+            return self._prefix(**item)
+        for t in self.transforms[:end]:
+            item = t(item)
+        return item
+
+    def tail(self) -> Callable[[Any], Any] | None:
+        """The random transforms, as a picklable callable that seeds itself per DataLoader
+        worker; ``None`` when the whole chain is deterministic."""
+        if self.split is None:
+            return None
+        if self.kind == "monai":
+            return RandomTail("monai", self.chain, self.split)
+        if self.kind == "albumentations":
+            return RandomTail("albumentations",
+                              _albumentations_compose(self.chain, self.transforms[self.split:]))
+        return RandomTail("callables", self.transforms[self.split:])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_prefix", None)
+        return state
+
+
+class RandomTail:
+    """The random tail of a chain, run on each restored sample. In a DataLoader worker it
+    first seeds the chain's own random state from the worker's seed (MONAI and Albumentations
+    transforms keep their own generators, which every worker would otherwise copy: the same
+    crops in every worker and every epoch); torchvision draws from torch, seeded by torch."""
+
+    def __init__(self, kind: str, chain: Any, start: int = 0) -> None:
+        self.kind, self.chain, self.start = kind, chain, start
+        self._seeded: tuple[int, int] | None = None
+
+    def _seed(self) -> None:
+        info = torch.utils.data.get_worker_info()
+        if info is None or self._seeded == (os.getpid(), info.seed):
+            return
+        self._seeded = (os.getpid(), info.seed)
+        seed = info.seed % (2 ** 32)
+        if self.kind == "monai":
+            self.chain.set_random_state(seed=seed)
+        elif self.kind == "albumentations":
+            self.chain.set_random_seed(seed)
+
+    def __call__(self, sample: Any) -> Any:
+        self._seed()
+        if self.kind == "monai":
+            return self.chain(sample, start=self.start)
+        if self.kind == "albumentations":
+            return self.chain(**sample)
+        for t in self.chain:
+            sample = t(sample)
+        return sample
+
+
+def _storable(sample: Any) -> Any:
+    """A MONAI sample (a dict) with each ``MetaTensor`` as a plain tensor and its affine under
+    ``__meta__`` (a ``MetaTensor`` elsewhere is stored as a plain tensor)."""
+    if not isinstance(sample, dict):
+        return sample
+    out: dict[str, Any] = {}
+    affines: dict[str, Any] = {}
+    for k, v in sample.items():
+        if hasattr(v, "as_tensor") and hasattr(v, "affine"):
+            out[k] = v.as_tensor()
+            affines[k] = torch.as_tensor(v.affine, dtype=torch.float64)
+        else:
+            out[k] = v
+    if affines:
+        out[_META] = affines
+    return out
+
+
+def read_image_item(item: Any) -> dict[str, Any]:
+    """The default ``load`` of an Albumentations chain: a path is ``{"image": HWC uint8}``; a
+    dict's ``image`` and ``mask`` paths are read (RGB and as stored), its other keys kept."""
+    from PIL import Image
+
+    sample = {"image": item} if isinstance(item, (str, os.PathLike)) else dict(item)
+    for name in ("image", "mask"):
+        value = sample.get(name)
+        if isinstance(value, (str, os.PathLike)):
+            with Image.open(value) as im:
+                sample[name] = np.asarray(im.convert("RGB") if name == "image" else im)
+    return sample
+
+
+class PrefixDataset:
+    """``items[i]`` through a chain's deterministic prefix: what ``cache_transforms`` caches
+    (with ``load`` first, if given). Picklable, for stage 1's spawned workers."""
+
+    def __init__(self, items: Sequence[Any], chain: Chain,
+                 load: Callable[[Any], Any] | None = None) -> None:
+        self.items, self.chain, self.load = list(items), chain, load
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        item = self.items[i]
+        if self.load is not None:
+            item = self.load(item)
+        return _storable(self.chain.prefix(item))
+
+
+class TransformedSample:
+    """A ``cache_transforms`` dataset's transform: the cached row back into the prefix's
+    output (``RestoreSample``, then each ``MetaTensor`` rebuilt with its affine), then the
+    random tail."""
+
+    def __init__(self, restore: RestoreSample, tail: Callable[[Any], Any] | None) -> None:
+        self.restore, self.tail = restore, tail
+
+    def __call__(self, row: dict[str, Any]) -> Any:
+        sample = self.restore(row)
+        if isinstance(sample, dict) and _META in sample:
+            from monai.data import MetaTensor
+
+            affines = sample.pop(_META)
+            for k, affine in affines.items():
+                sample[k] = MetaTensor(sample[k], affine=affine)
+        return sample if self.tail is None else self.tail(sample)
+
+
+def _describe(obj: Any, depth: int = 0) -> Any:
+    """``obj`` as JSON for the fingerprint: simple values as they are, arrays by hash, objects
+    as their class and attributes (random generators left out), down to a few levels."""
+    simple = _simple(obj)
+    if simple is not None or obj is None:
+        return simple
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().cpu().numpy()
+    if isinstance(obj, np.ndarray):
+        return {"array": hashlib.sha256(np.ascontiguousarray(obj).tobytes()).hexdigest()[:16],
+                "shape": list(obj.shape), "dtype": obj.dtype.name}
+    if isinstance(obj, enum.Enum):
+        return str(obj)
+    if isinstance(obj, (np.random.RandomState, np.random.Generator, random.Random,
+                        threading.local)):
+        return f"<{type(obj).__name__}>"
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        values = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        return [_describe(v, depth + 1) for v in list(values)[:1000]]
+    if isinstance(obj, dict):
+        return {str(k): _describe(v, depth + 1) for k, v in list(obj.items())[:1000]}
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if inspect.isroutine(obj) or inspect.isclass(obj):
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+    attrs = getattr(obj, "__dict__", None)
+    if depth >= 4 or not isinstance(attrs, dict):
+        return name
+    return {"class": name, "attrs": {k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
+                                     if k not in _STATE_ATTRS
+                                     and not isinstance(v, threading.local)}}
+
+
+def transforms_version(chain: Chain, load: Callable[[Any], Any] | None = None) -> str:
+    """The default fingerprint of ``cache_transforms``: the prefix's transforms (class names
+    and attributes, nested objects included) and ``load``."""
+    end = len(chain.transforms) if chain.split is None else chain.split
+    described = {"kind": chain.kind, "prefix": [_describe(t) for t in chain.transforms[:end]],
+                 "load": _describe(load)}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    return f"{end} transforms {digest.hexdigest()[:16]}"
+
+
+def _loaded_keys(chain: Chain, item: Any) -> list[str]:
+    """The keys a MONAI prefix loads (its ``Load...`` dict transforms' keys in the first item):
+    volumes whose shape follows each file, stored with varying shape (no sample is read to
+    know it, so a re-run reads none)."""
+    end = len(chain.transforms) if chain.split is None else chain.split
+    keys = {k for t in chain.transforms[:end] if type(t).__name__.startswith("Load")
+            for k in getattr(t, "keys", ())}
+    return sorted(k for k in keys if isinstance(item, dict) and k in item)
+
+
+def _item_keys(items: Sequence[Any]) -> list[str]:
+    """Each item's key: the item itself as JSON (so an item changed, added or removed changes
+    only its own sample); a repeated item gets ``#2``, ``#3``..."""
+    keys, seen = [], {}
+    for item in items:
+        text = json.dumps(item, sort_keys=True, default=str, ensure_ascii=False)
+        seen[text] = seen.get(text, 0) + 1
+        keys.append(text if seen[text] == 1 else f"{text}#{seen[text]}")
+    return keys
+
+
+def _paths(item: Any) -> list[str]:
+    if isinstance(item, (str, os.PathLike)):
+        return [os.fspath(item)]
+    if isinstance(item, dict):
+        return [p for v in item.values() for p in _paths(v)]
+    if isinstance(item, (list, tuple)):
+        return [p for v in item for p in _paths(v)]
+    return []
+
+
+def _file_hash(item: Any) -> str:
+    """The item's files' sizes and modification times: a file rewritten recomputes its sample."""
+    parts = []
+    for path in _paths(item):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_transforms(
+    items: Sequence[Any],
+    transforms: Any,
+    output: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    version: str | None = None,
+    split: int | None = None,
+    load: Callable[[Any], Any] | None = None,
+    **options: Any,
+) -> CachedDataset:
+    """Cache ``items`` through the deterministic prefix of ``transforms`` and return the
+    cached dataset, whose ``transform`` runs the random tail on every read.
+
+    Args:
+        items: a MONAI-style data list (``[{"image": path, "label": ...}, ...]``) or paths.
+        transforms: a MONAI ``Compose`` (or list of MONAI transforms), an Albumentations
+            ``Compose`` (or list), or a list of callables (torchvision v2, functions).
+        output: the cache directory (or a URL, as ``precache.run``).
+        workers: stage-1 processes (default: the cores; 1 runs in this process).
+        version: the fingerprint; default: the prefix's transforms (their classes and
+            attributes) and ``load``. A changed fingerprint recomputes every sample.
+        split: the index of the first transform to run per epoch, instead of the first random
+            one (``is_random``).
+        load: applied to each item before the chain; default: none for MONAI chains and
+            callables, ``read_image_item`` for Albumentations (paths read into arrays).
+        options: as ``cache_dataset`` (``progress``, ``format``, ``shard_rows``, ``ragged``,
+            ``overwrite``, ``log`` ...) and ``CachedDataset`` (``where`` ...). MONAI chains
+            store their ``MetaTensor`` fields with varying shape unless ``ragged`` is given.
+
+    Returns:
+        A ``CachedDataset`` of the prefix's outputs (in items' order after a full build),
+        whose ``transform`` rebuilds each (MONAI: ``MetaTensor`` with its affine) and applies
+        the random tail, seeded per DataLoader worker.
+
+    Raises:
+        ValueError: the chain's first transform is random (nothing to cache), or ``split`` is
+            outside the chain.
+        RunError, TypeError: as ``cache_dataset``.
+    """
+    chain = Chain(transforms, split)
+    if chain.split == 0:
+        first = type(chain.transforms[0]).__name__ if chain.transforms else type(transforms).__name__
+        raise ValueError(f"cache_transforms: the chain's first transform ({first}) is random, "
+                         "so there is nothing to cache; put the deterministic transforms "
+                         "first, or pass split=N to cache the first N")
+    if load is None and chain.kind == "albumentations":
+        load = read_image_item
+    items = list(items)
+    dataset = PrefixDataset(items, chain, load)
+    if chain.kind == "monai" and "ragged" not in options and items:
+        options["ragged"] = _loaded_keys(chain, items[0])
+    keys = _item_keys(items)
+    cached = cache_dataset(
+        dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),
+        version=transforms_version(chain, load) if version is None else str(version),
+        workers=workers, **options)
+    restore = cached.transform
+    assert isinstance(restore, RestoreSample)
+    cached.transform = TransformedSample(restore, chain.tail())
+    return cached
