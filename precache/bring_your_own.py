@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import random
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,9 +181,8 @@ def _is_albumentations(obj: Any) -> bool:
 def _albumentations_random(transform: Any) -> bool:
     """An Albumentations transform is random when it may be skipped (``p < 1``), when it is a
     composition (``OneOf``, ``SomeOf``, ``Sequential``...: not looked into), or when its
-    parameter methods (``get_params``, ``get_params_dependent_on_data``, its own or inherited
-    from albumentations' transform modules, not ``albumentations.core``) draw from its random
-    generators (``random_generator``, ``py_random``). Conservative: a transform that draws
+    parameter methods (``get_params``, ``get_params_dependent_on_data``, its own or inherited,
+    except albumentations.core's base classes) draw from its random generators (``random_generator``, ``py_random``). Conservative: a transform that draws
     only for some arguments (``LongestMaxSize`` with a list of sizes) counts as random."""
     from albumentations.core.composition import BaseCompose
 
@@ -190,7 +190,7 @@ def _albumentations_random(transform: Any) -> bool:
         return True
     for cls in type(transform).__mro__:
         module = cls.__module__ or ""
-        if not module.startswith("albumentations.") or module.startswith("albumentations.core"):
+        if cls is object or module.startswith("albumentations.core"):
             continue
         for name in ("get_params", "get_params_dependent_on_data"):
             method = cls.__dict__.get(name)
@@ -205,17 +205,40 @@ def _albumentations_random(transform: Any) -> bool:
     return False
 
 
+def _monai_random(transform: Any) -> bool:
+    """MONAI ``CacheDataset``'s rule: random, or not a MONAI ``Transform`` (unknown)."""
+    from monai.transforms import RandomizableTrait, Transform
+
+    return isinstance(transform, RandomizableTrait) or not isinstance(transform, Transform)
+
+
+def _monai_transform(obj: Any) -> bool:
+    """A MONAI transform, or a subclass of one (looked up only if MONAI is imported)."""
+    transforms = sys.modules.get("monai.transforms")
+    return _is_monai(obj) or (transforms is not None and isinstance(obj, transforms.Transform))
+
+
+def _albumentations_transform(obj: Any) -> bool:
+    """An Albumentations transform or composition, or a subclass of one."""
+    if _is_albumentations(obj):
+        return True
+    if "albumentations" not in sys.modules:
+        return False
+    from albumentations.core.composition import BaseCompose
+    from albumentations.core.transforms_interface import BasicTransform
+
+    return isinstance(obj, (BasicTransform, BaseCompose))
+
+
 def is_random(transform: Any) -> bool:
     """Whether ``transform`` marks the end of the cached prefix: a MONAI transform that is
     ``Randomizable``/``RandomizableTrait`` (or not a MONAI ``Transform`` at all, as MONAI's
     ``CacheDataset`` decides), a random Albumentations transform (``_albumentations_random``),
     a torchvision v2 transform named ``Random...`` (or ``ColorJitter``, ``RandAugment`` ...);
     any other callable counts as random (precache cannot know: pass ``split=``)."""
-    if _is_monai(transform):
-        from monai.transforms import RandomizableTrait, Transform
-
-        return isinstance(transform, RandomizableTrait) or not isinstance(transform, Transform)
-    if _is_albumentations(transform):
+    if _monai_transform(transform):
+        return _monai_random(transform)
+    if _albumentations_transform(transform):
         return _albumentations_random(transform)
     if _module(transform).startswith("torchvision.transforms.v2"):
         name = type(transform).__name__
@@ -252,7 +275,8 @@ class Chain:
             elif self.kind == "albumentations" and float(getattr(self.chain, "p", 1.0)) < 1.0:
                 split = 0
             else:
-                split = next((i for i, t in enumerate(self.transforms) if is_random(t)), None)
+                rule = _monai_random if self.kind == "monai" else is_random
+                split = next((i for i, t in enumerate(self.transforms) if rule(t)), None)
         if split is not None and not 0 <= split <= len(self.transforms):
             raise ValueError(f"split={split} is outside the chain's {len(self.transforms)} "
                              "transforms")
@@ -260,9 +284,9 @@ class Chain:
 
     @staticmethod
     def _normalise(transforms: Any) -> tuple[Any, str, list[Any]]:
-        if _is_monai(transforms) and hasattr(transforms, "transforms"):
+        if _monai_transform(transforms) and hasattr(transforms, "transforms"):
             return transforms, "monai", list(transforms.transforms)
-        if _is_albumentations(transforms) and hasattr(transforms, "transforms"):
+        if _albumentations_transform(transforms) and hasattr(transforms, "transforms"):
             return transforms, "albumentations", list(transforms.transforms)
         if hasattr(transforms, "transforms"):
             listed = list(transforms.transforms)
@@ -270,12 +294,12 @@ class Chain:
             listed = list(transforms)
         else:
             listed = [transforms]
-        if listed and all(_is_monai(t) for t in listed):
+        if listed and all(_monai_transform(t) for t in listed):
             from monai.transforms import Compose
 
             chain = Compose(listed)
             return chain, "monai", list(chain.transforms)
-        if listed and all(_is_albumentations(t) for t in listed):
+        if listed and all(_albumentations_transform(t) for t in listed):
             chain = _albumentations_compose(None, listed)
             return chain, "albumentations", listed
         return listed, "callables", listed

@@ -34,6 +34,30 @@ class CountCalls:
         return value
 
 
+class Identityd(monai_transforms.MapTransform):
+    """A user's own deterministic MONAI transform (defined outside MONAI)."""
+
+    def __call__(self, data: dict) -> dict:
+        return dict(data)
+
+
+class Brighter(A.ImageOnlyTransform):
+    """A user's own deterministic Albumentations transform."""
+
+    def __init__(self) -> None:
+        super().__init__(p=1.0)
+
+    def apply(self, img: np.ndarray, **params: object) -> np.ndarray:
+        return img + 0.5
+
+
+class Jitter(Brighter):
+    """A user's own random one: it draws its parameters from the transform's generator."""
+
+    def get_params(self) -> dict[str, float]:
+        return {"shift": self.py_random.uniform(0, 1)}
+
+
 def write_volume(folder: Path, i: int, seed: int = 0) -> dict[str, str]:
     volume, _ = make_volumes.make_volume(i, 24, seed=seed)
     image, label = folder / f"vol{i}.nii.gz", folder / f"vol{i}_label.nii.gz"
@@ -76,6 +100,7 @@ def test_a_monai_chain_caches_what_cache_dataset_caches_and_runs_its_random_tail
                                T.RandFlipd(KEYS, prob=0.5)))
     assert Chain(pos_neg).split == 6 and Chain(pos_neg).prefix_names[-1] == "CropForegroundd"
     assert is_random(T.RandFlipd(KEYS)) and not is_random(T.Spacingd(KEYS, pixdim=1.0))
+    assert Chain(T.Compose([*prefix(Identityd(KEYS)), *crop_and_flip()])).split == 7
 
     chain = T.Compose(prefix(*crop_and_flip()))
     cached = cache_transforms(volumes, chain, tmp_path / "cache", workers=2, progress=False,
@@ -144,6 +169,7 @@ def test_an_albumentations_chain_caches_resize_and_normalize_and_flips_per_epoch
     assert Chain(chain).split == 2
     assert not is_random(A.HorizontalFlip(p=1.0)) and is_random(A.HorizontalFlip(p=0.5))
     assert is_random(A.RandomBrightnessContrast(p=1.0)) and not is_random(A.Normalize())
+    assert not is_random(Brighter()) and is_random(Jitter())
 
     cached = cache_transforms(items, chain, tmp_path / "cache", workers=1, progress=False,
                               log=lambda _: None)
