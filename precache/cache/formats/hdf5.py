@@ -36,7 +36,14 @@ from precache.cache.formats.variable import (PREFIX, VARIABLE_KINDS, VariableCol
                                              row_ends)
 from precache.cache.schema import ColumnSpec
 
-__all__ = ["HDF5Format", "HDF5ShardReader", "KIND_ATTR", "DTYPE_ATTR"]
+__all__ = ["HDF5Format", "HDF5ShardReader", "KIND_ATTR", "DTYPE_ATTR", "ALIGNMENT"]
+
+ALIGNMENT = 64
+"""Every dataset's data starts at a multiple of this many bytes in the file (a cache line, as
+NumPy's ``.npy`` header pads to). Unaligned, a mapped column's rows start at odd byte offsets
+and NumPy's gather of them runs about 25% slower (docs/performance.md, issue 37). Costs at
+most 63 bytes per dataset; shards written before are read as they are (the reader maps at
+whatever offset the dataset has)."""
 
 KIND_ATTR = "precache_kind"
 """Attribute of a variable-length column's ``uint8`` run: the column's kind."""
@@ -353,7 +360,8 @@ class HDF5Format(ShardFormat):
                 raise ValueError(f"column {ends_column(name)!r} would hide where the rows "
                                  f"of column {name!r} end; rename it")
         rows = len(next(iter(columns.values()))) if columns else 0
-        with h5py.File(path, "w", track_order=True) as f:
+        with h5py.File(path, "w", track_order=True, alignment_threshold=1,
+                       alignment_interval=ALIGNMENT) as f:
             f.attrs["rows"] = rows
             for name, spec in schema.items():
                 values = columns[name]
