@@ -3,10 +3,12 @@
     python tests/benchmarks/bench_gather.py                 # 12,000 rows, ~1-2 minutes on 2 cores
     python tests/benchmarks/bench_gather.py --rows 48000 --rounds 5
     python tests/benchmarks/bench_gather.py --ranks 2      # 2 ranks on this node
+    python tests/benchmarks/bench_gather.py --format hdf5  # HDF5 shards instead of Parquet
 
 The ``faces`` pipeline's shape (issue 37): raw 128 px crops (``image``, 49,152 bytes a row),
 5 landmarks (``landmarks``, 40 bytes a row) and ``label`` (8 bytes) of ``synthetic_faces.py``,
-in 256-row shards (the faces pipeline's default ``shard_rows``), Parquet; full shuffle, batch
+in 256-row shards (the faces pipeline's default ``shard_rows``), Parquet (``--format hdf5``:
+HDF5; each format's cache in its own folder under ``--work``); full shuffle, batch
 256, warm (one untimed epoch first). Measured in rounds, each setting once a round, each for
 about ``--seconds``; a ratio is taken against the limit of the same round, and the median over
 rounds is printed:
@@ -77,16 +79,17 @@ Keys = tuple[memoryview, np.ndarray]
 ends): the limit's string column."""
 
 
-def build(work: Path, rows: int) -> Path:
-    """A Parquet cache of ``rows`` face-shaped rows in 256-row shards (16 inputs of 16 rows)."""
-    cache = work / "cache"
+def build(work: Path, rows: int, format: str = "parquet") -> Path:
+    """A cache of ``rows`` face-shaped rows in 256-row shards (16 inputs of 16 rows) in
+    ``format``, in a folder of its own (``cache`` for Parquet, ``cache-<format>`` else)."""
+    cache = work / ("cache" if format == "parquet" else f"cache-{format}")
     if (cache / "manifest.json").exists():
         return cache
     inputs = work / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
     for i in range(-(-rows // 16)):
         (inputs / f"{i:07d}.json").write_text(json.dumps({"seed": i, "rows": 16}))
-    precache.run(PIPELINE, inputs, cache, shard_rows=16)
+    precache.run(PIPELINE, inputs, cache, shard_rows=16, format=format)
     return cache
 
 
@@ -329,6 +332,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=0.6, help="per setting and round")
     parser.add_argument("--only", default="", help="comma-separated setting names to run")
     parser.add_argument("--work", type=Path, default=Path("/tmp/precache-bench-gather"))
+    parser.add_argument("--format", choices=["parquet", "hdf5"], default="parquet",
+                        help="the cache's shard format")
     parser.add_argument("--keep", action="store_true", help="keep the cache and .npy files")
     parser.add_argument("--ranks", type=int, default=1,
                         help="forked processes (ranks) reading their shares together")
@@ -340,7 +345,7 @@ def main() -> int:
     made = not args.work.exists()
     closers: list[Callable[[], None]] = []
     try:
-        cache = build(args.work, args.rows)
+        cache = build(args.work, args.rows, args.format)
         export(cache, args.work / "limit")
         counted = CachedDataset(cache, columns=["label"])
         rows, shards = len(counted), len(np.unique(counted.shard_ids))
@@ -353,7 +358,7 @@ def main() -> int:
         rates, ratios = measure(settings, args, files, closers)
         where = (f"{args.ranks} ranks on this node (forked; all ranks' rows over the slowest "
                  "rank's time)" if args.ranks > 1 else "one process")
-        print(f"{rows:,} rows in {shards} shards, batch {BATCH}, full shuffle, "
+        print(f"{rows:,} rows in {shards} {args.format} shards, batch {BATCH}, full shuffle, "
               f"{'cold' if args.cold else 'warm'}, {where}; median of {args.rounds} rounds; "
               f"precache {precache.__file__.rsplit('/precache/', 1)[0]}")
         print("| reader | rows/s | vs limit |")
