@@ -31,7 +31,7 @@ __all__ = ["CacheDataModule"]
 
 _STAGES = ("val", "test", "predict")
 _NEEDS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",),
-          "predict": ("predict",)}
+          "predict": ("predict", "test")}  # predict: the test rows when no predict rows
 
 
 class _Rows(Subset):
@@ -159,7 +159,7 @@ class CacheDataModule(L.LightningDataModule):
             self._setup_training()
         generation = self._generation  # the training cache's, once opened
         for name in _STAGES:
-            if name not in needed and not (name == "test" and "predict" in needed):
+            if name not in needed:
                 continue
             cache = self.caches[name]
             if cache is not None:
