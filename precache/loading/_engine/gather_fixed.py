@@ -24,7 +24,7 @@ from precache.loading._engine.gather_rows import as_batch, row_table, rows_in_ta
 from precache.loading._engine.read_state import ReadState, index_array
 from precache.loading._engine.row_table import FixedRows
 
-__all__ = ["read_tables"]
+__all__ = ["read_tables", "stored"]
 
 Plan = tuple[FixedRows, list[Any]]
 """A ``FixedRows`` and its ``plan`` of a batch."""
@@ -45,7 +45,7 @@ def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., n
         return None
     index = index_array(indices)
     if storage_order and state.listed and index.size:
-        index = _stored(state, index)
+        index = stored(state, index)
     with state.guard():
         faults = policy.begin()
         if policy.faulting:
@@ -68,9 +68,9 @@ def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., n
     return out
 
 
-def _stored(state: ReadState, index: np.ndarray) -> np.ndarray:
-    """``index`` in the order its rows are stored: ascending, negative indices counted from
-    the end (a shard's rows are consecutive indices, in the order of its file)."""
+def stored(state: ReadState, index: np.ndarray) -> np.ndarray:
+    """``index`` (not empty) in the order its rows are stored: ascending, negative indices
+    counted from the end (a shard's rows are consecutive indices, in the order of its file)."""
     if index.min() < -len(state) or index.max() >= len(state):
         raise state.out_of_range()
     return np.sort(np.where(index < 0, index + len(state), index))

@@ -12,7 +12,7 @@ import numpy as np
 
 from precache.loading._engine import gather_shards
 from precache.loading._engine.encoded_images import batch_images
-from precache.loading._engine.gather_fixed import read_tables
+from precache.loading._engine.gather_fixed import read_tables, stored
 from precache.loading._engine.gather_rows import read_complete
 from precache.loading._engine.read_state import ReadState, index_array
 
@@ -30,9 +30,7 @@ def read_batch(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | 
         return _read(state, indices, ahead, storage_order, empty)
     index = index_array(indices)
     if storage_order and index.size:
-        if index.min() < -len(state) or index.max() >= len(state):
-            raise state.out_of_range()
-        index = np.sort(np.where(index < 0, index + len(state), index))
+        index = stored(state, index)
     out = _read(state, index, ahead, storage_order, empty)
     target = out["target"] = empty((len(index),), np.dtype(np.int64))
     np.take(targets, index, out=target)  # (in range: the read checked)
