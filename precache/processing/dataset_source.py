@@ -533,12 +533,12 @@ def run_dataset(
         for k, line in zip(keys, lines):
             inputs.append(Input(k, f"{records_file}#{offset}+{len(line)}", len(line), 0))
             offset += len(line) + 1
-        return _run(dataset, output, pipeline, descriptions, fp, inputs, lines, keys, workers,
+        return _run(output, pipeline, descriptions, fp, inputs, lines, keys, workers,
                     format, shard_rows, overwrite, fail_fast, progress, log, retention_s,
                     _wait_seconds(wait), described["class"], start)
 
 
-def _run(dataset: Any, output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
+def _run(output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
          fp: str, inputs: list[Input], lines: list[bytes], keys: list[str], workers: int,
          format: str, shard_rows: int | None, overwrite: bool, fail_fast: bool, progress: bool,
          log: Any, retention_s: float, wait_s: float | None, source: str,
