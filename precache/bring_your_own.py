@@ -143,8 +143,7 @@ def cache_dataset(
                           retention_s=retention_s, wait=wait)
     manifest = load_manifest(CacheLayout.for_output(output).store)
     layout = SampleLayout.from_json(manifest.ops[0]["params"]["layout"])
-    cache = summary.cache if isinstance(summary.cache, str) else os.fspath(summary.cache)
-    return CachedDataset(cache, columns=layout.stored_columns(),
+    return CachedDataset(os.fspath(summary.cache), columns=layout.stored_columns(),
                          transform=RestoreSample(layout.to_json()), **dataset_options)
 
 
