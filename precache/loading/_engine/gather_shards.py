@@ -49,13 +49,10 @@ def gather(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | None
         return gather_resident(state, indices, empty), None, []
     if low < 0:
         indices = np.where(indices < 0, indices + count, indices)
-    schema, columns, policy = state.schema, state.columns, state.policy
-    out: dict[str, Any] = {}
-    for name in columns:  # fixed-shape columns: filled in place
-        spec = schema[name]
-        if spec.kind in ("ndarray", "scalar"):
-            out[name] = empty((len(indices), *spec.shape), np.dtype(spec.dtype))
-    listed = [name for name in columns if name not in out]
+    schema, listed, policy = state.schema, state.listed, state.policy
+    out: dict[str, Any] = {  # fixed-shape columns: filled in place
+        name: empty((len(indices), *schema[name].shape), np.dtype(schema[name].dtype))
+        for name in state.fixed}
     shards = len(state.cache.manifest.shards)
     # a few rows of each of many shards: list columns row by row, in the order asked for
     row_by_row = bool(listed) and (not out or not storage_order) and (
