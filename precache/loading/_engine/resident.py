@@ -27,8 +27,7 @@ def fits_in_memory(state: ReadState) -> bool:
     manifest = state.cache.manifest
     if manifest.format != "parquet" or not len(state):
         return False
-    fixed = [n for n in state.columns if manifest.schema[n].kind in ("ndarray", "scalar")]
-    if all(n in state.readers.get(int(state.shard[0])).mapped() for n in fixed):
+    if all(n in state.readers.get(int(state.shard[0])).mapped() for n in state.fixed):
         return False  # mapped: a gather from the shared page cache, no private copy
     total = 0
     for name in state.columns:
@@ -46,8 +45,8 @@ def resident_columns(state: ReadState) -> dict[str, np.ndarray]:
     if state.resident_arrays is None:
         schema, columns = state.schema, state.columns
         arrays = {n: np.empty((len(state), *schema[n].shape), dtype=schema[n].dtype)
-                  for n in columns if schema[n].kind in ("ndarray", "scalar")}
-        strings: dict[str, list[str]] = {n: [] for n in columns if n not in arrays}
+                  for n in state.fixed}
+        strings: dict[str, list[str]] = {n: [] for n in state.listed}
         first = state.first  # the rows held (all, or a selection's): a shard's are consecutive
         for shard in range(len(first) - 1):
             start, stop = int(first[shard]), int(first[shard + 1])
