@@ -11,24 +11,35 @@ of them LAS) and their masks, from data/make_volumes.py. The chain: ``LoadImaged
 ``CropForegroundd``, ``SpatialPadd`` (32^3): the deterministic prefix; then ``RandSpatialCropd``
 (32^3) and ``RandFlipd``: the random tail, the same in every method.
 
-Two rank processes (spawned), each reading its half of the volumes with no loader workers,
-batch 2, two epochs; per method:
+Two rank processes (spawned), each reading its half of the volumes, batch 2, ``--epochs`` epochs (default 2), loader
+workers ``--workers`` (default 0: the ranks share the 2 cores) for every method; every rank
+seeds MONAI (``set_determinism(0)``) and the chain's random state (``set_random_state(0)``).
+Per method:
 
 - ``dataset``: MONAI ``Dataset`` (the whole chain every read);
 - ``persistent``: MONAI ``PersistentDataset`` (its cache directory in the temporary folder;
-  epoch 1 fills it);
+  epoch 1 fills it), as MONAI users run it: ``MetaTensor``s through the tail;
 - ``cache``: MONAI ``CacheDataset`` (``cache_rate=1.0``: each rank caches its half in memory
   before epoch 1; that time is its ``prepare``);
+- ``persistent-nometa``, ``cache-nometa``: the same, with ``set_track_meta(False)`` once the
+  prefix is cached (``CacheDataset``: after caching; ``PersistentDataset``: from epoch 2, since
+  epoch 1 computes the prefix, which needs the affines): MONAI's own switch for a tail whose
+  output needs no metadata (MONAI's fast-training tutorial skips tracking in its random
+  transforms), the fairest baseline of
+  ``precache-plain``;
 - ``precache``: ``cache_transforms`` once in this process (stage 1, 2 workers: the ``stage 1``
   line), then in each rank its ``CachedDataset`` (pickled to it) and ``make_loader(rank=r,
-  world_size=2)``.
+  world_size=2)``: MONAI's tail on ``MetaTensor``s, what ``persistent`` and ``cache`` give;
+- ``precache-plain``: the same cache with ``track_meta=False``: plain tensors, the crop and
+  flip run by precache on the stored rows with MONAI's random draws (``PlainTail``), what
+  ``persistent-nometa`` and ``cache-nometa`` give.
 
-Printed per method: the ranks' samples/s summed for epoch 1 and epoch 2; end to end, both
-ranks' samples of both epochs over the wall time (precache's stage 1, then the slower rank's
-preparation and epochs); the ranks' USS and RSS summed at the end of epoch 2; then the ratios
-of precache to ``persistent`` and ``cache``. The random tail runs in every method on every
-read (MONAI ``MetaTensor`` crops and flips, about 2 ms a sample here), so it bounds every
-ratio of the cached epochs. Everything written is deleted at the end.
+Printed per method: the ranks' samples/s summed for epoch 1 and for epochs 2.. (each rank's
+samples over its time); end to end, both ranks' samples of all epochs over the wall time
+(precache's stage 1, then the slower rank's preparation and epochs); the ranks' USS and RSS
+summed at the end of the last epoch; then the ratios
+of ``precache`` and ``precache-plain`` to each MONAI cache, each line naming its baseline.
+Everything written is deleted at the end.
 """
 
 from __future__ import annotations
@@ -86,31 +97,41 @@ def write_volumes(folder: Path, count: int, size: int) -> list[dict[str, str]]:
 
 
 def _rank(kind: str, rank: int, items: list[dict[str, str]], cached: Any, work: str,
-          queue: Any) -> None:
+          workers: int, epochs: int, queue: Any) -> None:
     import psutil
     import torch
+    from monai.data import set_track_meta
+    from monai.utils import set_determinism
 
     torch.set_num_threads(1)
+    set_determinism(seed=0)
     mine = items[rank::2]
     start = time.perf_counter()
-    if kind == "precache":
+    if kind.startswith("precache"):
         from precache.loading import make_loader
 
-        loader = make_loader(cached, batch_size=2, num_workers=0, seed=0, rank=rank,
+        tail = cached.transform
+        getattr(tail, "tail", tail).chain.set_random_state(seed=0)
+        loader = make_loader(cached, batch_size=2, num_workers=workers, seed=0, rank=rank,
                              world_size=2)
     else:
         from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
 
         if kind == "dataset":
             dataset = Dataset(mine, chain())
-        elif kind == "persistent":
+        elif kind.startswith("persistent"):
             dataset = PersistentDataset(mine, chain(), cache_dir=work)
         else:
             dataset = CacheDataset(mine, chain(), cache_rate=1.0, num_workers=0, progress=False)
-        loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=0)
+        dataset.transform.set_random_state(seed=0)
+        loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=workers)
+    if kind == "cache-nometa":
+        set_track_meta(False)  # the prefix is cached: the tail alone runs without metadata
     prepare = time.perf_counter() - start
     rates, seen_all = [], 0
-    for e in range(2):
+    for e in range(epochs):
+        if kind == "persistent-nometa" and e == 1:
+            set_track_meta(False)  # epoch 1 cached the prefix (with its affines)
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(e)
         start, seen = time.perf_counter(), 0
@@ -125,17 +146,21 @@ def _rank(kind: str, rank: int, items: list[dict[str, str]], cached: Any, work: 
 
 
 def two_ranks(kind: str, items: list[dict[str, str]], cached: Any, work: Path,
-              stage1: float = 0.0) -> dict:
+              workers: int, epochs: int = 2, stage1: float = 0.0) -> dict:
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ranks = [context.Process(target=_rank, args=(kind, r, items, cached, str(work), queue))
+    ranks = [context.Process(target=_rank,
+                             args=(kind, r, items, cached, str(work), workers, epochs, queue))
              for r in range(2)]
     for p in ranks:
         p.start()
     results = [queue.get(timeout=1800) for _ in ranks]
     for p in ranks:
         p.join()
-    per_epoch = [sum(r["epochs"][e][0] / r["epochs"][e][1] for r in results) for e in range(2)]
+    # epoch 1, then epochs 2.. together (each rank's samples over its time, ranks summed)
+    per_epoch = [sum(r["epochs"][0][0] / r["epochs"][0][1] for r in results),
+                 sum(sum(n for n, _ in r["epochs"][1:]) / sum(t for _, t in r["epochs"][1:])
+                     for r in results)]
     total = sum(n for r in results for n, _ in r["epochs"])
     slowest = max(r["prepare"] + sum(s for _, s in r["epochs"]) for r in results)
     overall = total / (stage1 + slowest)  # end to end: stage 1 (precache), then the ranks
@@ -149,7 +174,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=24)
     parser.add_argument("--size", type=int, default=96)
-    parser.add_argument("--methods", default="dataset,persistent,cache,precache")
+    parser.add_argument("--methods", default="dataset,persistent,cache,persistent-nometa,"
+                        "cache-nometa,precache,precache-plain")
+    parser.add_argument("--workers", type=int, default=0, help="loader workers per rank")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per rank (>= 2)")
     args = parser.parse_args()
     from precache.bring_your_own import cache_transforms
 
@@ -160,27 +188,36 @@ def main() -> None:
         cached = cache_transforms(items, chain(), tmp / "precache", workers=2, progress=False,
                                   log=lambda _: None)
         stage1 = time.perf_counter() - start
+        plain = cache_transforms(items, chain(), tmp / "precache", workers=2, progress=False,
+                                 log=lambda _: None, track_meta=False)  # computes nothing
+        served = {"precache": cached, "precache-plain": plain}
         print(f"{args.count} volumes of {args.size}^3 + masks; precache stage 1 (cache_transforms, "
               f"2 workers): {stage1:.1f} s, {args.count / stage1:.1f} samples/s")
         results = {}
         for kind in args.methods.split(","):
             work = tmp / f"persistent-{kind}"
             work.mkdir()
-            results[kind] = r = two_ranks(kind, items, cached, work,
-                                          stage1 if kind == "precache" else 0.0)
-            print(f"{kind:>10}: epoch 1 {r['epoch1']:7.1f}, epoch 2 {r['epoch2']:7.1f}, "
-                  f"2 epochs end to end {r['overall']:7.1f} samples/s (2 ranks); prepare "
+            ours = kind.startswith("precache")
+            results[kind] = r = two_ranks(kind, items, served.get(kind), work, args.workers,
+                                          max(2, args.epochs), stage1 if ours else 0.0)
+            print(f"{kind:>17}: epoch 1 {r['epoch1']:7.1f}, epochs 2+ {r['epoch2']:7.1f}, "
+                  f"{args.epochs} epochs end to end {r['overall']:7.1f} samples/s (2 ranks); prepare "
                   f"{r['prepare']:.1f} s; USS {r['uss_mb']:.0f} MB, RSS {r['rss_mb']:.0f} MB "
                   "(2 ranks)")
-        if "precache" in results:
-            ours = results["precache"]
-            for kind in ("persistent", "cache"):
-                if kind in results:
-                    theirs = results[kind]
-                    print(f"precache / {kind}: epoch 2 {ours['epoch2'] / theirs['epoch2']:.2f}x, "
-                          f"2 epochs {ours['overall'] / theirs['overall']:.2f}x; USS "
+        baselines = {"persistent": "MONAI PersistentDataset, MetaTensor tail",
+                     "cache": "MONAI CacheDataset, MetaTensor tail",
+                     "persistent-nometa": "MONAI PersistentDataset, set_track_meta(False) tail",
+                     "cache-nometa": "MONAI CacheDataset, set_track_meta(False) tail"}
+        for mine in ("precache", "precache-plain"):
+            for kind, name in baselines.items():
+                if mine in results and kind in results:
+                    ours, theirs = results[mine], results[kind]
+                    print(f"{mine} / {kind} ({name}): epochs 2+ "
+                          f"{ours['epoch2'] / theirs['epoch2']:.2f}x, {args.epochs} epochs "
+                          f"{ours['overall'] / theirs['overall']:.2f}x; USS "
                           f"{ours['uss_mb'] / theirs['uss_mb']:.2f}x")
         cached.close()
+        plain.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
