@@ -135,6 +135,8 @@ def print_summary(summary: RunSummary) -> None:
     )
     if summary.waited_s:
         print(f"waited {summary.waited_s:.1f} s for another run of this cache")
+    if summary.stages.describe():
+        print(f"time per input in a worker, by stage: {summary.stages.describe()}")
     print(f"cache {summary.cache}: {summary.rows} rows, {_size(summary.cache_bytes)}, generation "
           f"{summary.generation}" + ("" if summary.published else " (up to date: nothing new "
                                      "published)"))

@@ -48,6 +48,7 @@ from precache.processing.executors import run_tasks
 from precache.processing.ops.base import Op, Sample
 from precache.processing.pipeline import Pipeline, PipelineError
 from precache.processing.plan import DEFAULT_SHARD_ROWS, make_tasks
+from precache.processing.stage_times import StageTimes
 from precache.processing.runner import (RunSummary, _wait_seconds, commit_results,
                                         stage1_workers, summarize)
 from precache.processing.sources import Input
@@ -570,9 +571,10 @@ def _run(output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
         config = WorkerConfig(pipeline=pipeline, params={}, cache_root=str(layout.root),
                               cache_url=layout.url, format=format, fingerprint=fp,
                               pipeline_name=PIPELINE_NAME, fail_fast=fail_fast)
+        stages = StageTimes()
         written = commit_results(tx, run_tasks(tasks, config, workers), kept, len(todo),
                                  progress, again="call",
-                                 locate=lambda key: locator[index_of[key]])
+                                 locate=lambda key: locator[index_of[key]], stages=stages)
         touched, rewritten = tx.drop_stale_rows(kept, get_format(format),
                                                 first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref="", params={}, ops=descriptions,
@@ -582,7 +584,7 @@ def _run(output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
                 f"{manifest.generation}): nothing changed, nothing published")
     return summarize(layout, manifest, tx, kept, computed=len(todo),
                      reused=len(inputs) - len(todo), deleted=deleted, touched=touched,
-                     rewritten=rewritten, written=written, start=start)
+                     rewritten=rewritten, written=written, start=start, stages=stages)
 
 
 def dataset_from_ref(ref: str) -> Any | None:

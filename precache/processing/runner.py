@@ -38,6 +38,7 @@ from precache.processing.executors import WorkerDied, require_ray, run_tasks, ru
 from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
 from precache.processing.records import escape_name
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
+from precache.processing.stage_times import StageTimes
 from precache.processing.worker import TaskResult, WorkerConfig
 from precache.cache.fingerprint import fingerprint
 from precache.cache.formats import get_format
@@ -83,6 +84,8 @@ class RunSummary:
     generation: int = 0  # the cache's generation after the run
     published: bool = True  # False: nothing changed, the run published no new generation
     waited_s: float = 0.0  # how long the run waited for another run that held the cache
+    stages: StageTimes = field(default_factory=StageTimes)
+    """Where the computed inputs' time went: seconds per stage (read, each op, store)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -221,7 +224,9 @@ def run(
                               max_input_bytes=max_input_bytes)
         results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
                    if executor == "ray" else run_tasks(tasks, config, workers))
-        written = commit_results(tx, results, kept, len(todo), progress, again="command")
+        stages = StageTimes()
+        written = commit_results(tx, results, kept, len(todo), progress, again="command",
+                                 stages=stages)
 
         touched, rewritten = tx.drop_stale_rows(kept, shard_format, first_seq + len(tasks))
         manifest = tx.publish(kept, pipeline_ref=pipeline.ref, params=resolved, ops=descriptions,
@@ -231,15 +236,17 @@ def run(
                 f"{manifest.generation}): nothing changed, nothing published")
     return summarize(layout, manifest, tx, kept, computed=len(todo), reused=len(inputs) - len(todo),
                      deleted=deleted, touched=touched, rewritten=rewritten, written=written,
-                     start=start)
+                     start=start, stages=stages)
 
 
 def commit_results(tx: WriteTransaction, results: Iterator[TaskResult],
                    kept: dict[str, dict[str, Any]], total: int, progress: bool, *,
-                   again: str, locate: Callable[[str], str] | None = None) -> int:
+                   again: str, locate: Callable[[str], str] | None = None,
+                   stages: StageTimes | None = None) -> int:
     """Hand each finished task's shard to the transaction and its records to ``kept``, with a
     progress bar; the bytes of the shards written. ``locate(key)``: a record's locator, where
     the workers cannot know it. ``again`` names what the user re-runs ("command", "call").
+    ``stages`` collects where the tasks' time went; the bar names the stage that takes most.
 
     Raises:
         RunError: a task failed with fail-fast, a worker died, or writing failed; the shards
@@ -264,6 +271,9 @@ def commit_results(tx: WriteTransaction, results: Iterator[TaskResult],
                 kept[record["key"]] = record
             if result.shard is not None:
                 written += result.shard.bytes
+            if stages is not None:
+                stages.add(result.stage_seconds, len(result.records))
+                bar.set_postfix_str(stages.slowest(), refresh=False)
             bar.update(len(result.records))
     except WorkerDied as e:
         raise RunError(f"{e}\nfinished shards are kept: re-run the same {again} to resume "
@@ -281,7 +291,8 @@ def commit_results(tx: WriteTransaction, results: Iterator[TaskResult],
 
 def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
               kept: dict[str, dict[str, Any]], *, computed: int, reused: int, deleted: int,
-              touched: int, rewritten: int, written: int, start: float) -> RunSummary:
+              touched: int, rewritten: int, written: int, start: float,
+              stages: StageTimes | None = None) -> RunSummary:
     """A finished run's ``RunSummary``, from what it published."""
     failures = [r for r in kept.values() if r["status"] == "failed"]
     return RunSummary(
@@ -293,6 +304,7 @@ def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
         cache_bytes=layout.store.total_bytes(), shard_bytes_written=written,
         failures=sorted(failures, key=lambda r: r["key"]), errors_table=manifest.errors["path"],
         generation=manifest.generation, published=tx.published, waited_s=tx.waited_s,
+        stages=stages or StageTimes(),
     )
 
 

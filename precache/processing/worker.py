@@ -11,7 +11,8 @@ inputs are done and are never computed again.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,9 @@ class TaskResult:
     schema: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None  # the first failed record, when fail-fast stopped it
     journal: dict[str, Any] | None = None  # a remote cache's entry, for the driver to write
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds this task spent in each stage, in pipeline order: ``read`` (the inputs' bytes
+    and their hash), each op by name, ``store`` (checking rows and writing the shard)."""
 
 
 def new_record(item: Input) -> dict[str, Any]:
@@ -124,14 +128,17 @@ def _call_op(op: Op, samples: list[Sample]) -> list[Any]:
 
 
 def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
-             ops: list[Op]) -> list[tuple[int, Sample]]:
-    """Pass samples through the ops, updating ``records``; return the surviving rows."""
+             ops: list[Op], seconds: dict[str, float]) -> list[tuple[int, Sample]]:
+    """Pass samples through the ops, updating ``records`` and each op's ``seconds``; return
+    the surviving rows."""
     live = samples
     skipped: dict[int, tuple[str, str]] = {}
     for op in ops:
         if not live:
             break
+        started = time.perf_counter()
         results = _call_op(op, [s for _, s in live])
+        _add_time(seconds, op.name, started)
         next_live: list[tuple[int, Sample]] = []
         for (i, sample), result in zip(live, results):
             if records[i]["status"] == "failed":
@@ -159,6 +166,11 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
         if records[i]["status"] == "ok" and i not in has_rows:
             records[i].update(status="skipped", stage=stage, message=reason)
     return live
+
+
+def _add_time(seconds: dict[str, float], stage: str, started: float) -> None:
+    """Add the time since ``started`` to ``stage``'s seconds."""
+    seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
 
 
 def _check_row(row: Sample, schema: dict[str, ColumnSpec]) -> None:
@@ -226,8 +238,10 @@ def run_task(task: Task) -> TaskResult:
     index = {item.key: i for i, item in enumerate(task.inputs)}
     rows: list[Sample] = []
     schema: dict[str, ColumnSpec] | None = None
+    seconds: dict[str, float] = {"read": 0.0, **{op.name: 0.0 for op in _ops}, "store": 0.0}
     for start in range(0, len(task.inputs), config.batch_size):
         batch: list[tuple[int, Sample]] = []
+        started = time.perf_counter()
         for i in range(start, min(start + config.batch_size, len(task.inputs))):
             item = task.inputs[i]
             try:
@@ -239,12 +253,20 @@ def run_task(task: Task) -> TaskResult:
                 batch.append((i, {"key": item.key, "source_key": item.key,
                                   "source_hash": records[i]["source_hash"],
                                   "locator": item.locator, "data": data}))
+        _add_time(seconds, "read", started)
         produced = [{k: v for k, v in row.items() if k not in NOT_STORED}
-                    for _, row in _run_ops(batch, records, _ops)]
+                    for _, row in _run_ops(batch, records, _ops, seconds)]
+        started = time.perf_counter()
         valid, schema = _validate(produced, records, index, schema)
+        _add_time(seconds, "store", started)
         rows.extend(valid)
         if config.fail_fast:
             failed = next((r for r in records if r["status"] == "failed"), None)
             if failed is not None:
-                return TaskResult(seq=task.seq, records=records, failure=failed)
-    return _commit(task, rows, schema, records, index, config)
+                return TaskResult(seq=task.seq, records=records, failure=failed,
+                                  stage_seconds=seconds)
+    started = time.perf_counter()
+    result = _commit(task, rows, schema, records, index, config)
+    _add_time(seconds, "store", started)
+    result.stage_seconds = seconds
+    return result
