@@ -122,6 +122,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --wait (implies it): wait at most this long, then fail with "
                         "one line naming the run that holds the cache")
+    parser.add_argument("--device-stage", choices=["auto", "on", "off"], default="auto",
+                        help="run the ops that use a device (a GPU face detector: --set "
+                        "device=cuda) in one process for all workers, which batches every "
+                        "worker's inputs together, while the workers decode and crop; auto "
+                        "(default): when an op asks for it; off: every worker runs every op "
+                        "(local executor only)")
     parser.set_defaults(handler=run_command)
 
 
@@ -171,6 +177,7 @@ def run_command(args: argparse.Namespace) -> int:
         format=args.format, shard_rows=args.shard_rows, overwrite=args.overwrite,
         fail_fast=args.fail_fast, progress=not args.quiet, executor=args.executor,
         ray_address=args.address, max_input_bytes=args.max_input_bytes, wait=wait,
+        device_stage={"auto": None, "on": True, "off": False}[args.device_stage],
         log=lambda msg: print(msg, file=sys.stderr),
     )
     print_summary(summary)

@@ -132,6 +132,7 @@ def run(
     retention_s: float = DEFAULT_RETENTION_S,
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
     wait: bool | float = False,
+    device_stage: bool | None = None,
 ) -> RunSummary:
     """Run a stage-1 pipeline over ``input`` into the cache at ``output``.
 
@@ -174,6 +175,11 @@ def run(
             and returns that cache's summary (``computed`` 0, ``published`` False); if the
             inputs changed meanwhile, or the other run died, it computes what is left. Works
             for local caches (a ``flock``) and remote ones (the writer lease, tried every 5 s).
+        device_stage: run the ops that declare ``device_stage`` (a face detector on a GPU) in
+            one process for all workers, which runs every worker's batches together while the
+            workers decode and crop (``executors.device_stage``). ``None`` (default): when an
+            op declares it and the executor is local; ``False``: every worker runs every op;
+            ``True``: required (an error if no op declares it, or with Ray).
 
     Returns:
         A ``RunSummary``.
@@ -198,7 +204,9 @@ def run(
     ray_workers = None if workers is None else max(1, workers)  # None: the cluster's CPUs
     shard_format = get_format(format)
     resolved = pipeline.resolve_params(params)
-    descriptions = [op.describe() for op in pipeline.build_ops(resolved)]
+    built = pipeline.build_ops(resolved)
+    descriptions = [op.describe() for op in built]
+    staged = _use_device_stage(device_stage, built, executor)
     fp = fingerprint(descriptions, format)
     inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
@@ -223,7 +231,7 @@ def run(
                               pipeline_name=pipeline.name, fail_fast=fail_fast,
                               max_input_bytes=max_input_bytes)
         results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
-                   if executor == "ray" else run_tasks(tasks, config, workers))
+                   if executor == "ray" else run_tasks(tasks, config, workers, staged))
         stages = StageTimes()
         written = commit_results(tx, results, kept, len(todo), progress, again="command",
                                  stages=stages)
@@ -272,7 +280,7 @@ def commit_results(tx: WriteTransaction, results: Iterator[TaskResult],
             if result.shard is not None:
                 written += result.shard.bytes
             if stages is not None:
-                stages.add(result.stage_seconds, len(result.records))
+                stages.add(result.stage_seconds, len(result.records), result.device_stats)
                 bar.set_postfix_str(stages.slowest(), refresh=False)
             bar.update(len(result.records))
     except WorkerDied as e:
@@ -306,6 +314,21 @@ def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
         generation=manifest.generation, published=tx.published, waited_s=tx.waited_s,
         stages=stages or StageTimes(),
     )
+
+
+def _use_device_stage(asked: bool | None, ops: list[Any], executor: str) -> bool:
+    """Whether the run has a device stage (see ``run``'s ``device_stage``).
+
+    Raises:
+        ValueError: one was asked for where it cannot be."""
+    declared = [op.name for op in ops if getattr(op, "device_stage", False)]
+    if asked and not declared:
+        raise ValueError("device_stage=True, but no op of this pipeline runs on a device (an "
+                         "op declares device_stage, e.g. detect_faces with device=cuda)")
+    if asked and executor != "local":
+        raise ValueError("device_stage=True needs the local executor; on Ray each actor runs "
+                         "every op (run without device_stage)")
+    return bool(declared) and asked is not False and executor == "local"
 
 
 def _wait_seconds(wait: bool | float | None) -> float | None:

@@ -9,6 +9,7 @@ the run's summary lists them all.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["StageTimes"]
 
@@ -19,12 +20,16 @@ class StageTimes:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.inputs = 0
+        self.device: Any = None  # the device stage's latest counters (``DeviceStats``)
 
-    def add(self, seconds: Mapping[str, float], inputs: int) -> None:
-        """Add one finished task's ``stage_seconds`` (``TaskResult``) over ``inputs`` inputs."""
+    def add(self, seconds: Mapping[str, float], inputs: int, device: Any = None) -> None:
+        """Add one finished task's ``stage_seconds`` (``TaskResult``) over ``inputs`` inputs,
+        and the device stage's counters when it had one."""
         for stage, spent in seconds.items():
             self.seconds[stage] = self.seconds.get(stage, 0.0) + spent
         self.inputs += inputs
+        if device is not None:
+            self.device = device
 
     def slowest(self) -> str:
         """The stage with the largest share, for the progress bar: ``"detect_faces 81%"``;
@@ -33,7 +38,8 @@ class StageTimes:
         if not total:
             return ""
         stage = max(self.seconds, key=lambda s: self.seconds[s])
-        return f"{stage} {100 * self.seconds[stage] / total:.0f}%"
+        slowest = f"{stage} {100 * self.seconds[stage] / total:.0f}%"
+        return slowest if self.device is None else f"{slowest}, {self.device.describe()}"
 
     def describe(self) -> str:
         """Each stage's seconds per input, in one worker, and its share of the run's time, in
@@ -41,5 +47,6 @@ class StageTimes:
         total = sum(self.seconds.values())
         if not total or not self.inputs:
             return ""
-        return ", ".join(f"{stage} {1000 * spent / self.inputs:.1f} ms ({100 * spent / total:.0f}%)"
+        line = ", ".join(f"{stage} {1000 * spent / self.inputs:.1f} ms ({100 * spent / total:.0f}%)"
                          for stage, spent in self.seconds.items())
+        return line if self.device is None else f"{line}; {self.device.describe()}"

@@ -69,6 +69,7 @@ class TaskResult:
     schema: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None  # the first failed record, when fail-fast stopped it
     journal: dict[str, Any] | None = None  # a remote cache's entry, for the driver to write
+    device_stats: Any = None  # the device stage's counters (``DeviceStats``), where it runs
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds this task spent in each stage, in pipeline order: ``read`` (the inputs' bytes
     and their hash), each op by name, ``store`` (checking rows and writing the shard)."""
@@ -83,18 +84,26 @@ def new_record(item: Input) -> dict[str, Any]:
 
 _ops: list[Op] = []
 _config: WorkerConfig | None = None
+_device: Any = None  # a DeviceClient where the run has a device stage
+_delegated: frozenset[int] = frozenset()  # positions of the ops the device stage runs
 
 
-def init_worker(config: WorkerConfig) -> None:
-    """Load the pipeline and set up its ops once in this process (models load here)."""
-    global _ops, _config
+def init_worker(config: WorkerConfig, device: Any = None) -> None:
+    """Load the pipeline and set up its ops once in this process (models load here). With
+    ``device`` (a ``DeviceClient``), the ops that declare ``device_stage`` run in the device
+    worker instead, and are not set up here."""
+    global _ops, _config, _device, _delegated
     pin_threads()
     pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
         config.pipeline
     )
     _ops = pipeline.build_ops(config.params)
-    for op in _ops:
-        op.setup()
+    _device = device
+    _delegated = frozenset(i for i, op in enumerate(_ops)
+                           if device is not None and getattr(op, "device_stage", False))
+    for i, op in enumerate(_ops):
+        if i not in _delegated:
+            op.setup()
     _config = config
 
 
@@ -133,11 +142,13 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
     the surviving rows."""
     live = samples
     skipped: dict[int, tuple[str, str]] = {}
-    for op in ops:
+    for position, op in enumerate(ops):
         if not live:
             break
         started = time.perf_counter()
-        results = _call_op(op, [s for _, s in live])
+        batch = [s for _, s in live]
+        results = (_device.call(position, batch) if position in _delegated
+                   else _call_op(op, batch))
         _add_time(seconds, op.name, started)
         next_live: list[tuple[int, Sample]] = []
         for (i, sample), result in zip(live, results):

@@ -44,11 +44,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int) -> None:
+def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int,
+                device: Any = None) -> None:
     """Body of a spawned worker: set up the ops once, then run tasks until a ``None``."""
     _die_with_parent(parent_pid)
     try:
-        init_worker(config)
+        init_worker(config, device)
     except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
         results.put(("error", f"worker setup failed:\n{traceback.format_exc()}"))
         return
@@ -99,16 +100,22 @@ def largest_first(tasks: list[Task]) -> list[Task]:
     return sorted(tasks, key=lambda t: -sum(max(0, i.size) for i in t.inputs))
 
 
-def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
+def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int,
+              device_stage: bool = False) -> Iterator[TaskResult]:
     """Run ``tasks`` with ``workers`` processes in all (this one included); yield each result.
 
     In one process tasks go in key order (so ``--fail-fast`` stops at the first failing input);
     with more they go largest first (by input bytes) so that no big task starts last.
+    ``device_stage``: the ops that declare ``device_stage`` run in one more process for all
+    workers (``device_stage.DeviceStage``); each result then carries its counters.
 
     Raises:
-        WorkerDied: a spawned worker died (killed, out of memory, a crash in native code) or
-            could not set up its ops.
+        WorkerDied: a spawned worker or the device stage died (killed, out of memory, a crash
+            in native code) or could not set up its ops.
     """
+    if device_stage and tasks:
+        yield from _run_staged(tasks, config, workers)
+        return
     children = min(workers - 1, len(tasks) - 1)
     with threads_pinned():  # spawned children inherit this one-thread environment
         init_worker(config)
@@ -128,6 +135,43 @@ def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator
         with _children_ignore_ctrl_c():
             for proc in procs:
                 proc.start()
+    yield from _collect(tasks, todo, results, procs)
+
+
+def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
+    """``run_tasks`` with a device stage: started first (it loads the device ops' models while
+    the workers load theirs), stopped last; each result carries its counters."""
+    from precache.processing.executors.device_stage import DeviceStage
+
+    children = max(0, min(workers - 1, len(tasks) - 1))
+    context = multiprocessing.get_context("spawn")
+    with threads_pinned():
+        stage = DeviceStage(context, config, children + 1)
+        todo, results = context.Queue(), context.Queue()
+        todo.cancel_join_thread()
+        for task in (tasks if children == 0 else largest_first(tasks)):
+            todo.put(task)
+        for _ in range(children + 1):
+            todo.put(None)
+        with _children_ignore_ctrl_c():
+            stage.start()
+            procs = [context.Process(target=_child_main, daemon=True, args=(
+                config, todo, results, os.getpid(), stage.client(k + 1))) for k in range(children)]
+            for proc in procs:
+                proc.start()
+        init_worker(config, stage.client(0))
+    try:
+        for result in _collect(tasks, todo, results, procs, stage.died):
+            result.device_stats = stage.snapshot()
+            yield result
+    finally:
+        stage.stop()
+
+
+def _collect(tasks: list[Task], todo: Any, results: Any, procs: list[Any],
+             also_dead: Any = None) -> Iterator[TaskResult]:
+    """Run tasks in this process too, and yield every process's results until all are in.
+    ``also_dead()``: why another process the run needs is gone, if it is."""
     try:
         received = 0
         while (task := todo.get()) is not None:
@@ -150,6 +194,9 @@ def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator
                 if dead:
                     raise WorkerDied(f"worker process {dead[0].pid} died with exit code "
                                      f"{dead[0].exitcode}") from None
+                gone = also_dead() if also_dead is not None else None
+                if gone:
+                    raise WorkerDied(gone) from None
                 continue
             received += 1
             yield _result(message)

@@ -1,0 +1,241 @@
+"""The device stage: one process runs the ops that want a device (a GPU detector) for every worker.
+
+With a model on a GPU, a worker process per core that each loads the model would put a copy and a
+CUDA context per process on the device and feed it batches of a few images. Instead the ops that
+declare ``device_stage = True`` run in one process per run (the device worker), and the CPU
+workers keep everything else (decoding before, crops and mesh after). A worker that reaches such
+an op sends its batch (without the input's raw bytes) to the device worker and waits for the
+results; the device worker takes whatever batches are waiting, from every worker, and runs the op
+once over all of them (up to ``max_batch`` samples), so the device sees large batches while the
+workers decode the next ones. The queue between them is bounded by its design: each worker has
+one request in flight, so at most ``workers`` batches wait. Tasks, shards, journal entries and
+resumption are unchanged: the worker that ran a task still commits its shard, and a re-run after
+a crash (or kill -9 of any process) computes only what was not committed.
+
+How busy the device worker is (its share of the run's time), its average batch and the queue's
+fill are shared through a small array, for the progress bar and the run's summary.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from precache.processing.executors.local import WorkerDied, _die_with_parent
+from precache.processing.ops.base import Op, Sample, Skip
+
+__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "device_ops", "MAX_BATCH"]
+
+MAX_BATCH = 64
+"""The most samples the device worker runs in one call (several workers' batches together)."""
+
+_POLL_S = 0.2
+_BUSY, _BATCHES, _SAMPLES, _WAITING, _STARTED = range(5)
+
+
+def device_ops(ops: list[Op]) -> list[int]:
+    """Positions of the ops that run in the device worker."""
+    return [i for i, op in enumerate(ops) if getattr(op, "device_stage", False)]
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """The device worker's counters: busy seconds, batches and samples run, the requests that
+    were waiting summed over batches, and its age in seconds."""
+
+    busy_s: float
+    batches: int
+    samples: int
+    waiting: float
+    age_s: float
+
+    def describe(self) -> str:
+        """One line: ``"device stage busy 83% (12.0 samples a batch, 1.4 batches waiting)"``."""
+        if not self.batches:
+            return "device stage: no batch yet"
+        busy = 100 * self.busy_s / self.age_s if self.age_s > 0 else 0.0
+        return (f"device stage busy {busy:.0f}% ({self.samples / self.batches:.1f} samples a "
+                f"batch, {self.waiting / self.batches:.1f} batches waiting)")
+
+
+def _remote_error(kind: str, message: str) -> Exception:
+    """An op's exception rebuilt in the worker under its own class name (the index records the
+    name and message, as for an op run in the worker itself)."""
+    return type(kind, (Exception,), {})(message)
+
+
+def _portable(result: Any) -> Any:
+    """A result the device worker can send back: a sample, a list of them, a ``Skip``, or an
+    exception as ``("error", class name, message)``."""
+    if isinstance(result, BaseException) and not isinstance(result, Skip):
+        return ("error", type(result).__name__, str(result) or repr(result))
+    return result
+
+
+def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
+                 parent_pid: int) -> None:
+    """Body of the device worker: set up the device ops once, then serve batches until ``None``."""
+    from precache.processing.pipeline import Pipeline, load_pipeline
+    from precache.processing.worker import _call_op
+    from precache.threads import pin_threads
+
+    _die_with_parent(parent_pid)
+    pin_threads()
+    try:
+        pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
+            config.pipeline)
+        ops = pipeline.build_ops(config.params)
+        served = {i: ops[i] for i in device_ops(ops)}
+        for op in served.values():
+            op.setup()
+    except Exception:  # noqa: BLE001 - every waiting worker gets the failure
+        failure = ("setup", traceback.format_exc())
+        while (request := requests.get()) is not None:
+            responses[request[0]].put(failure)
+        return
+    stats[_STARTED] = time.time()
+    while (first := requests.get()) is not None:
+        batch, stop = [first], False
+        while sum(len(r[3]) for r in batch) < MAX_BATCH:
+            try:
+                request = requests.get_nowait()
+            except queue.Empty:
+                break
+            if request is None:
+                stop = True
+                break
+            batch.append(request)
+        started = time.perf_counter()
+        for position in sorted({r[2] for r in batch}):
+            mine = [r for r in batch if r[2] == position]
+            samples = [s for r in mine for s in r[3]]
+            results = [_portable(x) for x in _call_op(served[position], samples)]
+            at = 0
+            for worker, request_id, _, part in mine:
+                responses[worker].put(("ok", request_id, results[at:at + len(part)]))
+                at += len(part)
+        with stats.get_lock():
+            stats[_BUSY] += time.perf_counter() - started
+            stats[_BATCHES] += 1
+            stats[_SAMPLES] += sum(len(r[3]) for r in batch)
+            stats[_WAITING] += len(batch)
+        if stop:
+            break
+
+
+class DeviceStage:
+    """The device worker process of a run, and the queues to and from it (one per worker).
+
+    Args:
+        context: the multiprocessing context (spawn).
+        config: the run's ``WorkerConfig``.
+        workers: worker processes that send it batches, the calling process included.
+    """
+
+    def __init__(self, context: Any, config: Any, workers: int) -> None:
+        self.requests = context.Queue(maxsize=max(1, workers))
+        self.responses = [context.Queue() for _ in range(workers)]
+        self.stats = context.Array("d", 5)
+        self.process = context.Process(
+            target=_device_main, args=(config, self.requests, self.responses, self.stats,
+                                       os.getpid()), daemon=True)
+
+    def start(self) -> None:
+        self.process.start()
+
+    def client(self, worker: int) -> DeviceClient:
+        """What worker ``worker`` calls the device ops through."""
+        return DeviceClient(worker, self.requests, self.responses[worker], self.process.pid)
+
+    def snapshot(self) -> DeviceStats:
+        with self.stats.get_lock():
+            busy, batches, samples, waiting, started = list(self.stats)
+        return DeviceStats(busy, int(batches), int(samples), waiting,
+                           time.time() - started if started else 0.0)
+
+    def died(self) -> str | None:
+        """Why the device worker is gone, if it is."""
+        code = self.process.exitcode
+        return None if code in (None, 0) else (f"the device stage process {self.process.pid} "
+                                               f"died with exit code {code}")
+
+    def stop(self) -> None:
+        """Ask it to finish (after the batches already sent), then make sure it is gone."""
+        if self.process.is_alive():
+            try:
+                self.requests.put(None, timeout=_POLL_S)
+            except queue.Full:
+                pass
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie): from ``/proc`` (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+class DeviceClient:
+    """A worker's end: ``call(position, samples)`` runs op ``position`` of the pipeline in the
+    device worker on ``samples`` and returns its results as ``_call_op`` would."""
+
+    def __init__(self, worker: int, requests: Any, responses: Any, server_pid: int) -> None:
+        self.worker, self._requests, self._responses = worker, requests, responses
+        self._server_pid = server_pid
+        self._next = 0
+
+    def call(self, position: int, samples: list[Sample]) -> list[Any]:
+        """Send the samples (without their raw ``data``, which the device op does not need and
+        the worker keeps) and wait for the results.
+
+        Raises:
+            WorkerDied: the device worker died or could not set up its ops (the run stops;
+                a re-run resumes)."""
+        self._next += 1
+        sent = [{k: v for k, v in s.items() if k != "data"} for s in samples]
+        self._put((self.worker, self._next, position, sent))
+        while True:
+            try:
+                reply = self._responses.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not _alive(self._server_pid):
+                    raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+                continue
+            if reply[0] == "setup":
+                raise WorkerDied(f"the device stage could not set up its ops:\n{reply[1]}")
+            if reply[1] == self._next:
+                break
+        return [_restored(result, sample) for result, sample in zip(reply[2], samples)]
+
+    def _put(self, request: tuple) -> None:
+        while True:
+            try:
+                self._requests.put(request, timeout=_POLL_S)
+                return
+            except queue.Full:
+                if not _alive(self._server_pid):
+                    raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+
+
+def _restored(result: Any, sample: Sample) -> Any:
+    """A result from the device worker as the worker's own op call would have returned it: the
+    sample's raw ``data`` put back, an exception rebuilt."""
+    if isinstance(result, tuple) and result and result[0] == "error":
+        return _remote_error(result[1], result[2])
+    if "data" in sample:
+        if isinstance(result, dict):
+            result.setdefault("data", sample["data"])
+        elif isinstance(result, list):
+            for child in result:
+                child.setdefault("data", sample["data"])
+    return result

@@ -1,0 +1,71 @@
+"""A test pipeline with a device op: ``on_device`` declares ``device_stage`` and stamps each
+sample with the process that ran it (``device_pid``); ``on_worker`` does the same after it
+(``worker_pid``). Inputs whose text starts with ``skip`` are skipped by the device op, ``fail``
+raise ``ValueError`` there, and ``die`` kill the process running it (SIGKILL, as an OOM kill)
+unless the file ``marker`` exists (created first: it dies once)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from precache.processing.ops import Op, Sample, Skip
+from precache.processing.pipeline import Pipeline
+
+
+class OnDevice(Op):
+    name = "on_device"
+    version = "1"
+    batched = True
+    device_stage = True
+
+    def __init__(self, *, marker: str = "") -> None:
+        self.marker = marker
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"marker": self.marker}
+
+    def call_batch(self, samples: list[Sample]) -> list[Any]:
+        results: list[Any] = []
+        for sample in samples:
+            text = sample["text"]
+            if text.startswith("die") and self.marker and not Path(self.marker).exists():
+                Path(self.marker).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if text.startswith("skip"):
+                results.append(Skip("told to skip"))
+            elif text.startswith("fail"):
+                results.append(ValueError(f"cannot take {sample['key']}"))
+            else:
+                results.append(dict(sample, device_pid=np.int64(os.getpid()),
+                                    value=np.float32(len(text))))
+        return results
+
+
+class OnWorker(Op):
+    name = "on_worker"
+    version = "1"
+
+    def __call__(self, sample: Sample) -> Sample:
+        return dict(sample, worker_pid=np.int64(os.getpid()), has_data="data" in sample)
+
+
+class Decode(Op):
+    name = "decode"
+    version = "1"
+
+    def __call__(self, sample: Sample) -> Sample:
+        return dict(sample, text=sample["data"].decode())
+
+
+def make_ops(marker: str = "") -> list[Op]:
+    return [Decode(), OnDevice(marker=marker), OnWorker()]
+
+
+pipeline = Pipeline(name="device", make_ops=make_ops, extensions=(".txt",),
+                    description="a device op between two worker ops")

@@ -1,0 +1,86 @@
+"""The device stage: ops that declare ``device_stage`` run in one process for every worker, with
+the same rows, records and resumption as when each worker runs them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import precache
+from precache.loading import CachedDataset
+
+PIPELINE = "tests.precache.processing.device_pipeline:pipeline"
+QUIET = {"progress": False, "log": lambda *_: None}
+
+
+def _inputs(folder: Path) -> Path:
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"{i:02d}.txt").write_text("x" * (i + 1))
+    (folder / "skip.txt").write_text("skip me")
+    (folder / "fail.txt").write_text("fail me")
+    return folder
+
+
+def _rows(cache: Path) -> dict[str, tuple]:
+    data = CachedDataset(cache, columns=["key", "value", "text", "has_data", "device_pid",
+                                         "worker_pid"], resident=False)
+    rows = data.__getitems__(list(range(len(data))))
+    return {r["key"]: (float(r["value"]), r["text"], bool(r["has_data"]), int(r["device_pid"]),
+                       int(r["worker_pid"])) for r in rows}
+
+
+def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(tmp_path: Path) -> None:
+    inputs = _inputs(tmp_path / "in")
+    staged = precache.run(PIPELINE, inputs, tmp_path / "staged", workers=2, shard_rows=3,
+                          **QUIET)
+    plain = precache.run(PIPELINE, inputs, tmp_path / "plain", workers=2, shard_rows=3,
+                         device_stage=False, **QUIET)
+    got, expected = _rows(tmp_path / "staged"), _rows(tmp_path / "plain")
+    assert list(got) == list(expected) and len(got) == 10  # same keys, same order
+    assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
+    # one device process for both workers, not a worker; the worker op kept the raw bytes
+    device_pids = {r[3] for r in got.values()}
+    assert len(device_pids) == 1 and not device_pids & {r[4] for r in got.values()}
+    assert device_pids.isdisjoint({os.getpid()}) and all(r[2] for r in got.values())
+    # each worker ran the device op itself without the stage
+    assert {r[3] for r in expected.values()} == {r[4] for r in expected.values()}
+    for summary in (staged, plain):
+        assert (summary.ok, summary.skipped, summary.failed) == (10, 1, 1)
+        assert summary.failures[0]["error_type"] == "ValueError"
+        assert summary.failures[0]["message"] == "cannot take fail.txt"
+        assert summary.failures[0]["stage"] == "on_device"
+    assert staged.stages.device is not None and staged.stages.device.samples == 12
+    assert "device stage busy" in staged.stages.describe()
+    assert plain.stages.device is None
+
+
+def test_a_killed_device_process_stops_the_run_in_one_line_and_a_rerun_resumes(
+        tmp_path: Path) -> None:
+    inputs = _inputs(tmp_path / "in")
+    (inputs / "zz.txt").write_text("die here")
+    cache, marker = tmp_path / "cache", tmp_path / "died"
+    command = [sys.executable, "-m", "precache", "run", PIPELINE, "-i", str(inputs), "-o",
+               str(cache), "-j", "2", "--shard-rows", "3", "-q", "--set", f"marker={marker}"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 1 and marker.exists()
+    assert "device stage process" in first.stderr and "died" in first.stderr
+    assert "re-run" in first.stderr and "Traceback" not in first.stderr
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    reused = int(re.search(r"reused (\d+)", second.stdout)[1])
+    assert 0 < reused < 13  # the shards the first run committed are kept, the rest computed
+    rows = _rows(cache)
+    assert len(rows) == 11 and rows["zz.txt"][1] == "die here"
+
+
+def test_asking_for_a_device_stage_without_a_device_op_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("a")
+    with pytest.raises(ValueError, match="no op of this pipeline runs on a device"):
+        precache.run("tests.counting_pipeline:pipeline", tmp_path / "in", tmp_path / "c",
+                     device_stage=True, **QUIET)
