@@ -126,8 +126,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="run the ops that use a device (a GPU face detector: --set "
                         "device=cuda) in one process for all workers, which batches every "
                         "worker's inputs together, while the workers decode and crop; auto "
-                        "(default): when an op asks for it; off: every worker runs every op "
-                        "(local executor only)")
+                        "(default): when an op asks for it; off: every worker runs every op. "
+                        "With --executor ray: a pool of device actors, one per GPU")
     parser.set_defaults(handler=run_command)
 
 

@@ -178,8 +178,8 @@ def run(
         device_stage: run the ops that declare ``device_stage`` (a face detector on a GPU) in
             one process for all workers, which runs every worker's batches together while the
             workers decode and crop (``executors.device_stage``). ``None`` (default): when an
-            op declares it and the executor is local; ``False``: every worker runs every op;
-            ``True``: required (an error if no op declares it, or with Ray).
+            op declares it; ``False``: every worker runs every op; ``True``: required (an error
+            if no op declares it). On Ray: a pool of device actors, one per GPU.
 
     Returns:
         A ``RunSummary``.
@@ -206,7 +206,7 @@ def run(
     resolved = pipeline.resolve_params(params)
     built = pipeline.build_ops(resolved)
     descriptions = [op.describe() for op in built]
-    staged = _use_device_stage(device_stage, built, executor)
+    staged = _use_device_stage(device_stage, built)
     fp = fingerprint(descriptions, format)
     inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
@@ -230,7 +230,8 @@ def run(
                               format=format, fingerprint=fp,
                               pipeline_name=pipeline.name, fail_fast=fail_fast,
                               max_input_bytes=max_input_bytes)
-        results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address)
+        results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address,
+                                 device_stage=staged)
                    if executor == "ray" else run_tasks(tasks, config, workers, staged))
         stages = StageTimes()
         written = commit_results(tx, results, kept, len(todo), progress, again="command",
@@ -316,7 +317,7 @@ def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
     )
 
 
-def _use_device_stage(asked: bool | None, ops: list[Any], executor: str) -> bool:
+def _use_device_stage(asked: bool | None, ops: list[Any]) -> bool:
     """Whether the run has a device stage (see ``run``'s ``device_stage``).
 
     Raises:
@@ -325,10 +326,7 @@ def _use_device_stage(asked: bool | None, ops: list[Any], executor: str) -> bool
     if asked and not declared:
         raise ValueError("device_stage=True, but no op of this pipeline runs on a device (an "
                          "op declares device_stage, e.g. detect_faces with device=cuda)")
-    if asked and executor != "local":
-        raise ValueError("device_stage=True needs the local executor; on Ray each actor runs "
-                         "every op (run without device_stage)")
-    return bool(declared) and asked is not False and executor == "local"
+    return bool(declared) and asked is not False
 
 
 def _wait_seconds(wait: bool | float | None) -> float | None:

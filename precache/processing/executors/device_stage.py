@@ -28,7 +28,8 @@ from typing import Any
 from precache.processing.executors.local import WorkerDied, _die_with_parent
 from precache.processing.ops.base import Op, Sample, Skip
 
-__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "device_ops", "MAX_BATCH"]
+__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "device_ops", "served_ops", "run_batch",
+           "restored", "MAX_BATCH"]
 
 MAX_BATCH = 64
 """The most samples the device worker runs in one call (several workers' batches together)."""
@@ -76,22 +77,45 @@ def _portable(result: Any) -> Any:
     return result
 
 
+def served_ops(config: Any) -> dict[int, Op]:
+    """The device ops of ``config``'s pipeline by position, set up (their models load here)."""
+    from precache.processing.pipeline import Pipeline, load_pipeline
+
+    pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
+        config.pipeline)
+    ops = pipeline.build_ops(config.params)
+    served = {i: ops[i] for i in device_ops(ops)}
+    for op in served.values():
+        op.setup()
+    return served
+
+
+def run_batch(served: dict[int, Op], requests: list[tuple[int, list[Sample]]]) -> list[list[Any]]:
+    """Each request's results (``(op position, samples)``), every request of one op run in one
+    call, as results that can be sent back (``_portable``)."""
+    from precache.processing.worker import _call_op
+
+    replies: list[list[Any]] = [[] for _ in requests]
+    for position in sorted({p for p, _ in requests}):
+        mine = [k for k, (p, _) in enumerate(requests) if p == position]
+        results = [_portable(x) for x in _call_op(
+            served[position], [s for k in mine for s in requests[k][1]])]
+        at = 0
+        for k in mine:
+            count = len(requests[k][1])
+            replies[k], at = results[at:at + count], at + count
+    return replies
+
+
 def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
                  parent_pid: int) -> None:
     """Body of the device worker: set up the device ops once, then serve batches until ``None``."""
-    from precache.processing.pipeline import Pipeline, load_pipeline
-    from precache.processing.worker import _call_op
     from precache.threads import pin_threads
 
     _die_with_parent(parent_pid)
     pin_threads()
     try:
-        pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
-            config.pipeline)
-        ops = pipeline.build_ops(config.params)
-        served = {i: ops[i] for i in device_ops(ops)}
-        for op in served.values():
-            op.setup()
+        served = served_ops(config)
     except Exception:  # noqa: BLE001 - every waiting worker gets the failure
         failure = ("setup", traceback.format_exc())
         while (request := requests.get()) is not None:
@@ -110,14 +134,9 @@ def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
                 break
             batch.append(request)
         started = time.perf_counter()
-        for position in sorted({r[2] for r in batch}):
-            mine = [r for r in batch if r[2] == position]
-            samples = [s for r in mine for s in r[3]]
-            results = [_portable(x) for x in _call_op(served[position], samples)]
-            at = 0
-            for worker, request_id, _, part in mine:
-                responses[worker].put(("ok", request_id, results[at:at + len(part)]))
-                at += len(part)
+        replies = run_batch(served, [(r[2], r[3]) for r in batch])
+        for (worker, request_id, _, _), results in zip(batch, replies):
+            responses[worker].put(("ok", request_id, results))
         with stats.get_lock():
             stats[_BUSY] += time.perf_counter() - started
             stats[_BATCHES] += 1
@@ -202,8 +221,7 @@ class DeviceClient:
             WorkerDied: the device worker died or could not set up its ops (the run stops;
                 a re-run resumes)."""
         self._next += 1
-        sent = [{k: v for k, v in s.items() if k != "data"} for s in samples]
-        self._put((self.worker, self._next, position, sent))
+        self._put((self.worker, self._next, position, _without_data(samples)))
         while True:
             try:
                 reply = self._responses.get(timeout=_POLL_S)
@@ -215,7 +233,7 @@ class DeviceClient:
                 raise WorkerDied(f"the device stage could not set up its ops:\n{reply[1]}")
             if reply[1] == self._next:
                 break
-        return [_restored(result, sample) for result, sample in zip(reply[2], samples)]
+        return restored(reply[2], samples)
 
     def _put(self, request: tuple) -> None:
         while True:
@@ -225,6 +243,16 @@ class DeviceClient:
             except queue.Full:
                 if not _alive(self._server_pid):
                     raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+
+
+def _without_data(samples: list[Sample]) -> list[Sample]:
+    """The samples as sent to the device: without the input's raw bytes, which the worker keeps."""
+    return [{k: v for k, v in s.items() if k != "data"} for s in samples]
+
+
+def restored(results: list[Any], samples: list[Sample]) -> list[Any]:
+    """Results from the device as the worker's own op call would have returned them."""
+    return [_restored(result, sample) for result, sample in zip(results, samples)]
 
 
 def _restored(result: Any, sample: Sample) -> Any:

@@ -16,21 +16,31 @@ Actors get the driver's import path and ``PRECACHE_*`` environment variables, so
 as a file or module imports in them as it does in the driver; on a cluster, every node needs
 precache and the pipeline's packages installed, and those folders at the same paths.
 
+With a device stage (``device_stage``), the ops that declare it run in a pool of device actors
+(one per GPU of the cluster, each asking Ray for a GPU; one without GPUs), which the worker
+actors call: each device actor runs the batches that reach it together, as the local device
+stage does (``precache.processing.executors.device_stage``).
+
 Ray is imported only here and only when this executor runs: ``pip install 'precache[ray]'``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
+import queue
 import socket
 import sys
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, restored,
+                                                         run_batch, served_ops)
 from precache.processing.executors.local import WorkerDied, largest_first
 from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 from precache.errors import RunError
@@ -86,10 +96,11 @@ class PrecacheWorker:
             pipeline's modules import as they do in the driver.
     """
 
-    def __init__(self, config: WorkerConfig, env: dict[str, str], python_path: list[str]) -> None:
+    def __init__(self, config: WorkerConfig, env: dict[str, str], python_path: list[str],
+                 device: Any = None) -> None:
         os.environ.update(env)
         sys.path[:0] = [path for path in python_path if path not in sys.path]
-        init_worker(config)
+        init_worker(config, device)
 
     def ready(self) -> tuple[int, str]:
         """Answered once set up (the driver gives an actor tasks only after this): where it runs,
@@ -100,6 +111,86 @@ class PrecacheWorker:
 
     def run(self, task: Task) -> TaskResult:
         return run_task(task)
+
+
+class DeviceActor:
+    """Body of one device actor: the device ops, set up once, and a thread that runs every
+    call waiting (from any worker actor; the actor takes ``max_concurrency`` calls at once)
+    as one batch of up to ``MAX_BATCH`` samples."""
+
+    def __init__(self, config: WorkerConfig, env: dict[str, str], python_path: list[str]) -> None:
+        os.environ.update(env)
+        sys.path[:0] = [path for path in python_path if path not in sys.path]
+        self._served = served_ops(config)
+        self._waiting: queue.Queue = queue.Queue()
+        self._counts = [0.0, 0, 0, 0]  # busy seconds, batches, samples, calls waiting
+        self._started = time.time()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def call(self, position: int, samples: list[dict[str, Any]]) -> list[Any]:
+        """Op ``position`` on ``samples``, run with whatever other calls are waiting."""
+        done, reply = threading.Event(), []
+        self._waiting.put((position, samples, done, reply))
+        done.wait()
+        return reply[0]
+
+    def stats(self) -> DeviceStats:
+        busy, batches, samples, waiting = self._counts
+        return DeviceStats(busy, batches, samples, waiting, time.time() - self._started)
+
+    def _serve(self) -> None:
+        while True:
+            batch = [self._waiting.get()]
+            while sum(len(b[1]) for b in batch) < MAX_BATCH:
+                try:
+                    batch.append(self._waiting.get_nowait())
+                except queue.Empty:
+                    break
+            started = time.perf_counter()
+            replies = run_batch(self._served, [(b[0], b[1]) for b in batch])
+            self._counts = [self._counts[0] + time.perf_counter() - started,
+                            self._counts[1] + 1, self._counts[2] + sum(len(b[1]) for b in batch),
+                            self._counts[3] + len(batch)]
+            for (_, _, done, reply), results in zip(batch, replies):
+                reply.append(results)
+                done.set()
+
+
+class RayDeviceClient:
+    """A worker actor's end of the device actors: ``call`` as ``DeviceClient.call``, on the
+    device actor ``worker % pool`` (each worker sticks to one, so their loads balance)."""
+
+    def __init__(self, actors: list[Any], worker: int) -> None:
+        self._actor = actors[worker % len(actors)]
+
+    def call(self, position: int, samples: list[dict[str, Any]]) -> list[Any]:
+        import ray
+
+        sent = [{k: v for k, v in s.items() if k != "data"} for s in samples]
+        try:
+            results = ray.get(self._actor.call.remote(position, sent))
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDied(f"a device actor died:\n{e}") from None
+        return restored(results, samples)
+
+
+def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_path: list[str],
+                 workers: int) -> list[Any]:
+    """One device actor per GPU of the cluster, each with one GPU (one actor, none, without
+    GPUs: it then shares the CPUs, asking for none of them)."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    actor_class = ray.remote(DeviceActor).options(
+        num_cpus=0, num_gpus=1 if gpus else 0, max_restarts=0, max_task_retries=0,
+        max_concurrency=workers + 1)
+    return [actor_class.remote(config, env, python_path) for _ in range(max(1, gpus))]
+
+
+def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
+    """The device actors' counters together (their ages: the oldest's)."""
+    found = ray.get([actor.stats.remote() for actor in pool])
+    return DeviceStats(sum(f.busy_s for f in found) / len(found),
+                       sum(f.batches for f in found), sum(f.samples for f in found),
+                       sum(f.waiting for f in found), max(f.age_s for f in found))
 
 
 def _python_path() -> list[str]:
@@ -185,7 +276,8 @@ def _stop(ray: Any, pending: dict[Any, _Actor]) -> None:
 
 
 def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None = None,
-                  address: str | None = None) -> Iterator[TaskResult]:
+                  address: str | None = None, device_stage: bool = False,
+                  ) -> Iterator[TaskResult]:
     """Run ``tasks`` on Ray actors, one per worker slot; yield each result as it completes.
 
     Args:
@@ -195,6 +287,8 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
         address: a running cluster's address (``HOST:PORT``, ``ray://...`` or ``auto``); ``None``
             starts a local Ray for this run and stops it at the end. If this process is already
             connected to Ray (``ray.init`` was called), that connection is used and kept.
+        device_stage: the ops that declare ``device_stage`` run in a pool of device actors
+            (one per GPU); each result then carries their counters.
 
     Raises:
         WorkerDied: an actor could not set up the ops, a task raised outside any one input (e.g.
@@ -206,6 +300,7 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
     ray = _import_ray()
     connected = _connect(ray, address, workers)
     pending: dict[Any, _Actor] = {}  # the call each actor is busy with -> that actor
+    pool: list[Any] = []  # the device actors
     try:
         slots = min(workers or int(ray.cluster_resources().get("CPU", 1)), len(tasks))
         # One task in key order keeps --fail-fast's "first failing input" as with one process.
@@ -219,8 +314,13 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
         attempts: Counter[int] = Counter()
         deaths_at_start = 0
 
+        if device_stage:
+            pool = _device_pool(ray, config, env, python_path, slots)
+        numbers = itertools.count()  # each worker actor's number: which device actor it calls
+
         def start_actor() -> None:
-            handle = actor_class.remote(config, env, python_path)
+            device = RayDeviceClient(pool, next(numbers)) if pool else None
+            handle = actor_class.remote(config, env, python_path, device)
             pending[handle.ready.remote()] = _Actor(handle)
 
         for _ in range(slots):
@@ -260,9 +360,13 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
             else:
                 ray.kill(actor.handle)
             if task is not None:
+                if pool:
+                    result.device_stats = _pool_stats(ray, pool)
                 yield result
     finally:
         if pending:
             _stop(ray, pending)
+        for actor in pool:
+            ray.kill(actor)
         if connected:
             ray.shutdown()

@@ -30,6 +30,7 @@ from typing import Iterator
 
 import pytest
 
+import precache
 from precache import Cache, RunError, verify
 from precache.processing.executors.ray import MAX_ATTEMPTS
 from precache.cli import main
@@ -332,3 +333,23 @@ def test_without_ray_the_error_says_what_to_install(photos: Path, tmp_path: Path
     assert main(["run", "images", "-i", str(photos), "-o", str(tmp_path / "cache"), "--address",
                  "127.0.0.2:6379"]) == 2
     assert "add --executor ray" in capsys.readouterr().err
+
+
+@needs_ray
+def test_device_ops_run_in_a_device_actor_that_the_worker_actors_share(
+        cluster: Cluster, tmp_path: Path) -> None:
+    from tests.precache.processing.test_device_stage import PIPELINE, QUIET, _inputs, _rows
+
+    inputs = _inputs(tmp_path / "in")
+    precache.run(PIPELINE, inputs, tmp_path / "local", workers=2, shard_rows=3,
+                 device_stage=False, **QUIET)
+    on_ray = precache.run(PIPELINE, inputs, tmp_path / "ray", workers=2, shard_rows=3,
+                          executor="ray", **QUIET)
+    got, expected = _rows(tmp_path / "ray"), _rows(tmp_path / "local")
+    assert list(got) == list(expected)
+    assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
+    device_pids, worker_pids = {r[3] for r in got.values()}, {r[4] for r in got.values()}
+    assert len(device_pids) == 1 and worker_pids and not device_pids & worker_pids
+    assert (on_ray.ok, on_ray.skipped, on_ray.failed) == (10, 1, 1)
+    assert on_ray.failures[0]["error_type"] == "ValueError"
+    assert on_ray.stages.device is not None and on_ray.stages.device.samples == 12
