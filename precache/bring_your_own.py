@@ -28,7 +28,7 @@ from precache.cache.reader import load_manifest
 from precache.cache.layout import CacheLayout
 from precache.cache.generations import DEFAULT_RETENTION_S
 from precache.loading import CachedDataset
-from precache.processing.dataset_source import SampleLayout, _simple, run_dataset
+from precache.processing.dataset_source import PROBE, SampleLayout, _simple, run_dataset
 
 __all__ = ["cache_dataset", "cache_transforms", "is_random", "Chain", "RandomTail",
            "RestoreSample", "TransformedSample", "read_image_item", "transforms_version"]
@@ -42,17 +42,20 @@ class RestoreSample:
         self.layout = layout
         self._columns = layout["columns"]
 
-    def __call__(self, row: dict[str, Any], views: frozenset[str] | set[str] = frozenset()) -> Any:
+    def __call__(self, row: dict[str, Any], views: frozenset[str] | set[str] = frozenset(),
+                 skip: frozenset[str] | set[str] = frozenset()) -> Any:
         """The sample; the top-level fields named in ``views`` as NumPy views of the row (no
-        copy: ``PlainTail`` crops them first), read-only where the row is."""
-        return self._build(self.layout["tree"], row, views)
+        copy: ``PlainTail`` crops them first), read-only where the row is; those in ``skip``
+        left out."""
+        return self._build(self.layout["tree"], row, views, skip)
 
     def _build(self, tree: dict[str, Any], row: dict[str, Any],
-               views: frozenset[str] | set[str] = frozenset()) -> Any:
+               views: frozenset[str] | set[str] = frozenset(),
+               skip: frozenset[str] | set[str] = frozenset()) -> Any:
         (kind, body), = tree.items()
         if kind == "dict":
             return {k: self._build(sub, row) if k not in views else self._view(sub, row)
-                    for k, sub in body}
+                    for k, sub in body if k not in skip}
         if kind == "tuple":
             return tuple(self._build(sub, row) for sub in body)
         if kind == "list":
@@ -418,22 +421,61 @@ def read_image_item(item: Any) -> dict[str, Any]:
     return sample
 
 
+_KEEP_BYTES = 64 * 2**20
+"""How many bytes of samples computed in this process (stage 1's probe) ``PrefixDataset``
+keeps, to hand to the worker that stores them instead of computing them again."""
+
+
+def _nbytes(sample: Any) -> int:
+    if isinstance(sample, dict):
+        return sum(_nbytes(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return sum(_nbytes(v) for v in sample)
+    if isinstance(sample, torch.Tensor):
+        return sample.numel() * sample.element_size()
+    return int(getattr(sample, "nbytes", 64))
+
+
 class PrefixDataset:
     """``items[i]`` through a chain's deterministic prefix: what ``cache_transforms`` caches
-    (with ``load`` first, if given). Picklable, for stage 1's spawned workers."""
+    (with ``load`` first, if given). Picklable, for stage 1's spawned workers.
+
+    The samples stage 1 probes in this process (to infer the columns) are kept, up to
+    ``PROBE`` of them and ``_KEEP_BYTES``, and travel to the workers with the dataset: the worker that stores one
+    takes it instead of loading and resampling its volumes again. Each is handed out once."""
 
     def __init__(self, items: Sequence[Any], chain: Chain,
                  load: Callable[[Any], Any] | None = None) -> None:
         self.items, self.chain, self.load = list(items), chain, load
+        self.computed: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> Any:
+        kept = self.computed.pop(i, None)
+        if kept is not None:
+            return kept
         item = self.items[i]
         if self.load is not None:
             item = self.load(item)
-        return _storable(self.chain.prefix(item))
+        sample = _storable(self.chain.prefix(item))
+        if (len(self.computed) < PROBE and _is_main_process()
+                and _held(self.computed) + _nbytes(sample) <= _KEEP_BYTES):
+            self.computed[i] = sample
+        return sample
+
+
+def _held(computed: dict[int, Any]) -> int:
+    return sum(_nbytes(s) for s in computed.values())
+
+
+def _is_main_process() -> bool:
+    """Not in one of stage 1's worker processes (there, nothing is kept: each sample is
+    stored once, by the worker computing it)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
 
 
 class TransformedSample:
@@ -606,6 +648,7 @@ def cache_transforms(
         dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),
         version=transforms_version(chain, load) if version is None else str(version),
         workers=workers, **options)
+    dataset.computed.clear()  # the probed samples not handed to a worker (kept, or workers > 1)
     restore = cached.transform
     assert isinstance(restore, RestoreSample)
     if track_meta:

@@ -25,6 +25,8 @@ __all__ = ["PlainTail", "native_steps"]
 
 _CROPS = ("RandSpatialCropd", "RandScaleCropd")
 _FLIPS = ("RandFlipd",)
+_SKIP = frozenset({"__meta__"})
+"""The cached sample's affines (``bring_your_own._META``): plain tensors carry none."""
 
 
 def _known(transform: Any) -> str | None:
@@ -138,8 +140,7 @@ class PlainTail:
 
     def __call__(self, row: dict[str, Any]) -> Any:
         self._seed()
-        sample = self.restore(row, views=self._tensors)
-        sample.pop("__meta__", None)
+        sample = self.restore(row, views=self._tensors, skip=_SKIP)
         transforms = self.chain.transforms
         for t in transforms[self.start:self.start + self.native]:
             (_crop if _known(t) == "crop" else _flip)(t, sample)

@@ -160,6 +160,21 @@ def test_a_rerun_computes_nothing_and_a_rewritten_file_only_its_own_sample(
     assert len(CALLS) >= 4 and any("fingerprint changed" in m for m in messages)
 
 
+def test_stage_1_runs_each_items_prefix_once_the_probed_ones_included(
+        tmp_path: Path, volumes: list[dict[str, str]]) -> None:
+    # stage 1 probes 4 samples to infer the columns; they are stored, not computed again
+    chain = monai_transforms.Compose(prefix(monai_transforms.Lambdad("image", CountCalls()),
+                                            *crop_and_flip()))
+    CALLS.clear()
+    cached = cache_transforms(volumes, chain, tmp_path / "cache", workers=1, progress=False,
+                              log=lambda _: None)
+    assert len(CALLS) == len(volumes)
+    cached.transform = TransformedSample(cached.transform.restore, None)
+    for i in (0, 2, 5):  # probed (0, 5) and computed (2) alike: the prefix's values
+        expected = Chain(chain).prefix(dict(volumes[i]))
+        assert torch.equal(cached[i]["label"].as_tensor(), expected["label"].as_tensor())
+
+
 def test_an_albumentations_chain_caches_resize_and_normalize_and_flips_per_epoch(
         tmp_path: Path) -> None:
     paths = write_photos(tmp_path / "photos", 6, size=40)
