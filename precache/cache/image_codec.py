@@ -59,7 +59,8 @@ def decode_image(data: bytes | memoryview | np.ndarray,
         ValueError: the bytes are neither, do not decode (libjpeg's recoverable errors, such as
             a truncated file, included), or their size is not ``out``'s.
     """
-    head = bytes(memoryview(data)[:12])
+    # (numpy's stubs declare an ndarray a buffer only for Python >= 3.12)
+    head = bytes(memoryview(data)[:12])  # type: ignore[arg-type]
     if head[:2] == b"\xff\xd8":
         import simplejpeg
 

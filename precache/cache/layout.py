@@ -275,11 +275,11 @@ class CacheLayout:
         for folder in ("shards", "generations", "readers"):
             found += [f"{folder}/{name}" for name in self.store.list(folder)
                       if not self.is_own(folder, name)]
-        for folder in (self.journal, self.staging):
-            if folder.is_dir() and not folder.is_symlink():
-                found += [f"{folder.name}/{p.name}" + ("/" if p.is_dir() else "")
-                          for p in folder.iterdir()
-                          if not (_regular_file(p) and self.is_own(folder.name, p.name))]
+        for local in (self.journal, self.staging):
+            if local.is_dir() and not local.is_symlink():
+                found += [f"{local.name}/{p.name}" + ("/" if p.is_dir() else "")
+                          for p in local.iterdir()
+                          if not (_regular_file(p) and self.is_own(local.name, p.name))]
         if self.url is None:  # a local cache's subfolders; a URL lists no folders
             found += [f"{p.name}/" for p in self.root.iterdir() if p.is_dir()
                       and p.name not in ("shards", "journal", ".staging", "generations",

@@ -247,7 +247,7 @@ class Manifest:
         shards, counts = _entries(obj, where)
         return cls(
             pipeline=obj["pipeline"],
-            pipeline_ref=obj.get("pipeline_ref", obj["pipeline"]),
+            pipeline_ref=obj["pipeline_ref"] if "pipeline_ref" in obj else obj["pipeline"],
             params=obj["params"],
             ops=obj["ops"],
             fingerprint=obj["fingerprint"],

@@ -49,11 +49,14 @@ __all__ = ["DiskCache", "DEFAULT_MAX_BYTES", "StoredFile"]
 
 class StoredFile(Protocol):
     """What the disk cache needs of a file it keeps: where it is in its store, its size and
-    checksum (a manifest's ``ShardInfo`` is one)."""
+    checksum (a manifest's ``ShardInfo`` is one). Read-only: a frozen dataclass matches."""
 
-    path: str
-    bytes: int
-    checksum: str
+    @property
+    def path(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
 
 DEFAULT_MAX_BYTES = 50 << 30
 """Default bound of the folder: 50 GiB."""

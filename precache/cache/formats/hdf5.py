@@ -81,6 +81,18 @@ def _is_run(dataset: h5py.Dataset) -> bool:
     return KIND_ATTR in dataset.attrs
 
 
+def _file_map(view: np.memmap) -> mmap.mmap:
+    """The ``mmap`` NumPy made for ``view``: its private ``_mmap`` (no public name; not in
+    NumPy's stubs), which holds the file's pages to advise."""
+    return view._mmap  # type: ignore[attr-defined]
+
+
+def _map_start(view: np.memmap) -> int:
+    """Where ``view``'s data starts in ``_file_map(view)``: NumPy maps from the allocation
+    boundary below the data."""
+    return view.offset % mmap.ALLOCATIONGRANULARITY
+
+
 def _run_and_ends(values: Sequence[Any], spec: ColumnSpec, name: str) -> tuple[np.ndarray,
                                                                                np.ndarray]:
     """A variable-length column's byte run and row ends (see the module docstring)."""
@@ -121,9 +133,10 @@ class HDF5ShardReader(ShardReader):
     """
 
     _file: h5py.File | None = None
-    _maps: dict[str, np.ndarray | None]
+    _maps: dict[str, np.memmap | None]
+    _views: dict[str, np.ndarray] | None = None  # the mappable columns of _maps
     _variable: dict[str, VariableColumn] | None = None
-    _runs: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (run, ends) memory maps
+    _runs: dict[str, tuple[np.memmap, np.memmap]]  # name -> (run, ends) memory maps
 
     def _open(self) -> h5py.File:
         if self._file is None:
@@ -131,7 +144,7 @@ class HDF5ShardReader(ShardReader):
             self._maps = {}
         return self._file
 
-    def _mapped(self, name: str) -> np.ndarray | None:
+    def _mapped(self, name: str) -> np.memmap | None:
         """The column as a read-only memory map, or None where HDF5 does not allow one."""
         file = self._open()
         if name not in self._maps:
@@ -142,7 +155,7 @@ class HDF5ShardReader(ShardReader):
             view = (np.memmap(self.path, mode="r", dtype=dataset.dtype, shape=dataset.shape,
                               offset=offset) if mappable else None)
             if view is not None:
-                view._mmap.madvise(mmap.MADV_RANDOM)  # no read-around (see will_need)
+                _file_map(view).madvise(mmap.MADV_RANDOM)  # no read-around (see will_need)
             self._maps[name] = view
         return self._maps[name]
 
@@ -152,21 +165,20 @@ class HDF5ShardReader(ShardReader):
         views, variable = self.mapped(), self.variable()
         for name in columns:
             view = views.get(name)
-            if view is not None:  # numpy maps from the allocation boundary below the data
-                advise_rows(view._mmap, view.offset % mmap.ALLOCATIONGRANULARITY,
-                            view.nbytes // max(1, len(view)), rows)
+            if isinstance(view, np.memmap):  # (a mapped column: not None)
+                advise_rows(_file_map(view), _map_start(view), view.nbytes // max(1, len(view)),
+                            rows)
             elif name in variable and name in self._runs:
                 run, ends = self._runs[name]
                 wanted = np.asarray(rows, dtype=np.int64)
                 before = wanted[wanted > 0] - 1  # where each row starts: the row before's end
-                advise_rows(ends._mmap, ends.offset % mmap.ALLOCATIONGRANULARITY, 8,
+                advise_rows(_file_map(ends), _map_start(ends), 8,
                             np.concatenate([wanted, before]))
-                variable[name].will_need(run._mmap, run.offset % mmap.ALLOCATIONGRANULARITY,
-                                         wanted)
+                variable[name].will_need(_file_map(run), _map_start(run), wanted)
 
     def mapped(self) -> dict[str, np.ndarray]:
         """The fixed-shape and scalar columns HDF5 lets NumPy map (see the class docstring)."""
-        if getattr(self, "_views", None) is None:  # once: h5py lookups cost microseconds each
+        if self._views is None:  # once: h5py lookups cost microseconds each
             names = [n for n, spec in self.schema.items() if spec.kind in ("ndarray", "scalar")]
             maps = {name: self._mapped(name) for name in names if name in self._open()}
             self._views = {name: view for name, view in maps.items() if view is not None}
@@ -205,8 +217,8 @@ class HDF5ShardReader(ShardReader):
 
     def release_pages(self) -> None:
         for view in getattr(self, "_maps", {}).values():
-            if view is not None and isinstance(view._mmap, mmap.mmap):
-                view._mmap.madvise(mmap.MADV_DONTNEED)
+            if view is not None and isinstance(_file_map(view), mmap.mmap):
+                _file_map(view).madvise(mmap.MADV_DONTNEED)
 
     def __len__(self) -> int:
         return int(self._open().attrs["rows"])

@@ -317,20 +317,24 @@ class ParquetShardReader(ShardReader):
         so a copy evicted from a disk cache stays readable through the map (an unlinked file
         lives while it is mapped), and the reader holds one descriptor (the map's)."""
         if self._file is None:
-            if self._map is None:
-                fd = os.open(self.path, os.O_RDONLY)  # (a Python file object costs 4x more)
-                try:
-                    self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
-                # No read-around on a page fault: the kernel would read up to read_ahead_kb
-                # (often MBs) around each randomly read row. Reads ask for what they need
-                # (will_need) instead.
-                self._map.madvise(mmap.MADV_RANDOM)
             # Reads are single-threaded: DataLoader workers are the parallelism, and Arrow's
             # CPU pool, once started, can abort a process at exit (apache/arrow#34314).
-            self._file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self._map)))
+            self._file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(self._mapping())))
         return self._file
+
+    def _mapping(self) -> mmap.mmap:
+        """This reader's memory map of its file, mapped when first asked for."""
+        if self._map is None:
+            fd = os.open(self.path, os.O_RDONLY)  # (a Python file object costs 4x more)
+            try:
+                self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            # No read-around on a page fault: the kernel would read up to read_ahead_kb
+            # (often MBs) around each randomly read row. Reads ask for what they need
+            # (will_need) instead.
+            self._map.madvise(mmap.MADV_RANDOM)
+        return self._map
 
     def __len__(self) -> int:
         if self._rows is None:
@@ -364,25 +368,25 @@ class ParquetShardReader(ShardReader):
     def mapped(self) -> dict[str, np.ndarray]:
         """The columns that are read from the mapped file, as ``(n, *shape)`` read-only views."""
         if self._views is None:
-            file = self._open()
+            file, mapping = self._open(), self._mapping()
             candidates = {ends_column(n): _ENDS for n, spec in self.schema.items()
                           if spec.kind in VARIABLE_KINDS}
-            offsets = mapped_offsets(file, self._map, {**self.schema, **candidates})
+            offsets = mapped_offsets(file, mapping, {**self.schema, **candidates})
             rows = self._rows = file.metadata.num_rows
             views = {}
             for name, offset in offsets.items():
                 spec = self.schema.get(name, _ENDS)
-                views[name] = np.frombuffer(self._map, dtype=np.dtype(spec.dtype),
+                views[name] = np.frombuffer(mapping, dtype=np.dtype(spec.dtype),
                                             count=rows * math.prod(spec.shape),
                                             offset=offset).reshape(rows, *spec.shape)
             ends = {n: views.pop(ends_column(n)) for n, spec in self.schema.items()
                     if ends_column(n) in views and n not in views}
-            runs = variable_runs(file, self._map, self.schema, ends)
+            runs = variable_runs(file, mapping, self.schema, ends)
             checksums = _ends_checksums(file) if runs else {}
             self._file = None  # its parsed footer is private memory; reopened if ever needed
             self._variable, self._runs = {}, {}
             for name, (offset, size) in runs.items():
-                run = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=offset)
+                run = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=offset)
                 self._variable[name] = VariableColumn(run, ends[name], self.schema[name],
                                                       f"{self.path}, column {name!r}",
                                                       checksums.get(name))
@@ -454,21 +458,22 @@ class ParquetShardReader(ShardReader):
     ) -> dict[str, Any]:
         names = list(columns) if columns is not None else list(self.schema)
         decoded = self._columns(names)
-        rows = slice(None) if indices is None else np.asarray(indices, dtype=np.int64)
+        asked = None if indices is None else np.asarray(indices, dtype=np.int64)
+        rows: slice | np.ndarray = slice(None) if asked is None else asked
         out: dict[str, Any] = {}
         for name, values in decoded.items():
             if isinstance(values, VariableColumn):
-                out[name] = values.rows(np.arange(len(values)) if indices is None else rows)
+                out[name] = values.rows(np.arange(len(values)) if asked is None else asked)
                 continue
             if isinstance(values, RaggedColumn):
-                out[name] = values.rows(np.arange(len(values)) if indices is None else rows)
+                out[name] = values.rows(np.arange(len(values)) if asked is None else asked)
                 continue
             if isinstance(values, np.ndarray):
                 picked = values[rows]
                 out[name] = picked.tolist() if values.dtype.kind == "U" else (
                     picked.copy() if indices is None else picked)
             else:
-                out[name] = list(values) if indices is None else [values[i] for i in rows.tolist()]
+                out[name] = list(values) if asked is None else [values[i] for i in asked.tolist()]
         return out
 
     @property

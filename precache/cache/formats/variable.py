@@ -56,7 +56,7 @@ def row_ends(sizes: np.ndarray) -> np.ndarray:
 
 def ends_checksum(ends: np.ndarray) -> int:
     """CRC-32 of an offsets column as the file stores it (little-endian int64)."""
-    return zlib.crc32(np.ascontiguousarray(ends, dtype="<i8"))
+    return zlib.crc32(np.ascontiguousarray(ends, dtype="<i8").data)
 
 
 def check_ends(ends: np.ndarray, checksum: int | None, where: str) -> None:
@@ -109,7 +109,7 @@ class VariableColumn:
                                                                                     itemsize)):
             raise ValueError(f"{where}: its offsets column does not describe its values "
                              f"({len(run)} bytes); the file is damaged")
-        self._data = memoryview(run)
+        self._data = run.data  # (memoryview(run))
         # the 4 bytes from every position as one uint32 (overlapping, no copy): the written
         # lengths of any rows in one gather
         self._lengths = np.ndarray((max(len(run) - PREFIX + 1, 0),), "<u4", run, strides=(1,))
@@ -219,7 +219,7 @@ class VariableColumn:
     def ends_view(self) -> memoryview:
         """``ends`` as a memoryview of int64 (an item of it is a Python int, at less cost than
         an ndarray item)."""
-        return memoryview(np.ascontiguousarray(self.ends)).cast("B").cast("q")
+        return np.ascontiguousarray(self.ends).data.cast("B").cast("q")
 
     def _value_maker(self, buffers: bool) -> Callable[[int, int], Any]:
         """``(start, stop) -> value`` of the bytes ``run[start:stop]``."""

@@ -14,14 +14,14 @@ row), and encoded images are then decoded as on every path (``encoded_images``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from precache.loading._engine.encoded_images import batch_images
 from precache.loading._engine.gather_rows import as_batch, row_table, rows_in_table
-from precache.loading._engine.read_state import ReadState, index_array
+from precache.loading._engine.read_state import Indices, ReadState, index_array
 from precache.loading._engine.row_table import FixedRows
 
 __all__ = ["read_tables", "stored"]
@@ -30,7 +30,7 @@ Plan = tuple[FixedRows, list[Any]]
 """A ``FixedRows`` and its ``plan`` of a batch."""
 
 
-def read_tables(state: ReadState, indices: Sequence[int], empty: Callable[..., np.ndarray],
+def read_tables(state: ReadState, indices: Indices, empty: Callable[..., np.ndarray],
                 storage_order: bool = False) -> dict[str, Any] | None:
     """A warm batch with a fixed-shape column, its fixed-shape columns mapped and the others
     in place: the fixed ones through ``FixedRows`` (into ``empty``'s arrays where the caller

@@ -15,20 +15,20 @@ whose offsets carry no checksum are read through each shard's row reader
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from precache.loading._engine.encoded_images import batch_images
-from precache.loading._engine.read_state import ReadState, index_array
+from precache.loading._engine.read_state import Indices, ReadState, index_array
 from precache.loading._engine.row_table import RowTable
 from precache.loading.datasets.batches import RaggedRows
 
 __all__ = ["as_batch", "lists_row_by_row", "read_complete", "row_table", "rows_in_table"]
 
 
-def read_complete(state: ReadState, indices: Sequence[int],
+def read_complete(state: ReadState, indices: Indices,
                   empty: Callable[..., np.ndarray]) -> dict[str, Any] | None:
     """A batch of a warm cache whose requested columns are all variable-length and served by a
     complete ``RowTable``: one table read, none of ``gather_shards``' groups and checks (they
@@ -125,8 +125,8 @@ def _lists_by_row_reader(state: ReadState, indices: np.ndarray,
         made = memo.get(names_key)
         if made is None:
             variable = reader.variable()
-            columns = [variable.get(name) for name in names]
-            if None in columns:
+            columns = [c for c in (variable.get(name) for name in names) if c is not None]
+            if len(columns) < len(names):  # one is not mapped (an older shard)
                 return None
             made = memo[names_key] = (
                 [c.row_reader(buffers=n in encoded) for c, n in zip(columns, names)],

@@ -17,13 +17,13 @@ time. Skipped while reads come from memory (``PagePolicy.faulting``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from precache.cache.formats.variable import FEW_ROWS
-from precache.loading._engine.read_state import Groups, ReadState, index_array
+from precache.loading._engine.read_state import Groups, Indices, ReadState, index_array
 from precache.loading._engine.resident import gather_resident
 from precache.loading._engine.gather_rows import lists_row_by_row
 from precache.loading.datasets.batches import RaggedRows
@@ -34,7 +34,7 @@ Copies = list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, bool]]
 """Mapped rows to copy into the batch: ``(view, rows, batch array, positions, take)``."""
 
 
-def gather(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | None,
+def gather(state: ReadState, indices: Indices, ahead: Indices | None,
            storage_order: bool, copies: Copies, empty: Callable[..., np.ndarray],
            ) -> tuple[dict[str, Any], np.ndarray | None, Groups]:
     """``read_batch`` but for the copies of mapped rows, which it appends to ``copies``, and
@@ -81,8 +81,9 @@ def _by_shard(state: ReadState, groups: Groups, out: dict[str, Any], lists: dict
     arrays, in-place variable-length ones extended into ``lists``, older shards' decoded."""
     readers, policy, encoded = state.readers, state.policy, state.encoded
     start = 0
-    for shard, positions, rows in groups:
-        if storage_order:  # this group's slots: the next len(rows) of the batch
+    for shard, asked, rows in groups:
+        positions: np.ndarray | slice = asked  # this group's slots in the batch
+        if storage_order:  # the next len(rows) of the batch
             positions = slice(start, start + len(rows))
             start += len(rows)
         reader = readers.get(shard)
@@ -144,7 +145,7 @@ def copy_rows(copies: Copies) -> None:
             batch[positions] = view[rows]
 
 
-def read_ahead(state: ReadState, indices: Sequence[int]) -> None:
+def read_ahead(state: ReadState, indices: Indices) -> None:
     """``CachedDataset.read_ahead``: hint the mapped columns of these rows (out of range ones
     ignored), unless reads come from memory (``PagePolicy.faulting``)."""
     if not state.policy.faulting:

@@ -29,7 +29,8 @@ def open_pinned(path: str, disk_cache: DiskCache, generation: int | None) -> Cac
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if generation is not None or not distributed:
         return Cache(path, disk_cache=disk_cache, generation=generation, hold=True)
-    cache, box = None, [None]
+    cache = None
+    box: list[int | str | None] = [None]  # the generation, or rank 0's error
     if dist.get_rank() == 0:
         try:
             cache = Cache(path, disk_cache=disk_cache, hold=True)

@@ -27,16 +27,24 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 from precache.cache import Cache
 from precache.cache.formats import get_format
 from precache.cache.formats.base import ShardReader
 from precache.cache.schema import ColumnSpec
-from precache.loading._engine.row_table import RowTable
 
 __all__ = ["OpenShards", "fds_per_reader", "open_files", "open_readers", "shard_budget",
            "soft_fd_limit"]
+
+
+class _Table(Protocol):
+    """A per-process row table (``RowTable``, ``FixedRows``): it forgets a shard closed."""
+
+    def drop(self, shard: int) -> None: ...
+
+
+TableT = TypeVar("TableT", bound=_Table)
 
 _NO_LIMIT = 1 << 20
 """The soft limit taken when ``RLIMIT_NOFILE`` is unlimited."""
@@ -82,7 +90,7 @@ class _ProcessFiles:
 
     def _add(self, shards: OpenShards) -> None:
         key = id(shards)  # dropped without close(): it leaves when collected
-        self._active[key] = weakref.ref(shards, lambda _, key=key: self._active.pop(key, None))
+        self._active[key] = weakref.ref(shards, lambda _: self._active.pop(key, None))
 
     def _count(self) -> None:
         """How many descriptors the active readers may hold: half the soft limit, less those
@@ -151,7 +159,7 @@ class OpenShards:
         self._decoded: dict[int, int] = {}  # shard -> bytes its reader keeps
         self._decoded_total = 0
         self._memos: dict[int, dict[Any, Any]] = {}  # shard -> what callers derived from it
-        self._tables: dict[Any, RowTable] = {}
+        self._tables: dict[Any, _Table] = {}
         self._pid = os.getpid()
 
     def get(self, shard: int) -> ShardReader:
@@ -175,15 +183,15 @@ class OpenShards:
             found.append((reader, memo))
         return found
 
-    def row_table(self, key: Any, make: Callable[[], RowTable]) -> RowTable:
+    def row_table(self, key: Any, make: Callable[[], TableT]) -> TableT:
         """This process's row table under ``key`` (made by ``make`` the first time): its entries
-        are emptied as readers close."""
+        are emptied as readers close. A key names one kind of table: the one ``make`` makes."""
         if self._pid != os.getpid():
             self._forget()
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = make()
-        return table
+        return cast(TableT, table)
 
     def keep(self, shards: Iterable[int]) -> None:
         """Mark these open shards as just used, so that opening others closes them last (reads

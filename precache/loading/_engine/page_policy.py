@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import resource
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from precache.cache.formats.base import ShardReader
 from precache.loading._engine.warm import ShardWarmer
@@ -102,7 +103,7 @@ class PagePolicy:
             self.faulting = True
         return faults
 
-    def before_gather(self, shard_paths: Callable[[], Iterable[str]]) -> None:
+    def before_gather(self, shard_paths: Callable[[], Iterable[Path]]) -> None:
         """On a cold batch of a local cache that fits in memory, queue every shard (its path
         from ``shard_paths``) to be read whole, once per process: the cache then arrives in
         large sequential reads while the batches fault in their own rows, instead of a shard at
@@ -114,7 +115,7 @@ class PagePolicy:
             for path in shard_paths():
                 warmer.warm(path)
 
-    def after_gather(self, faults: int, touched: Callable[[], Iterable[str]],
+    def after_gather(self, faults: int, touched: Callable[[], Iterable[Path]],
                      readers: Iterable[ShardReader]) -> None:
         """Whether the batch read pages from disk (then a remote cache's shards it fetched,
         ``touched``, are warmed), and the release of mapped pages."""

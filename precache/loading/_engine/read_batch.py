@@ -5,7 +5,7 @@ else shard by shard: ``gather_shards``), and the ``target`` column of a dataset 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,12 +14,12 @@ from precache.loading._engine import gather_shards
 from precache.loading._engine.encoded_images import batch_images
 from precache.loading._engine.gather_fixed import read_tables, stored
 from precache.loading._engine.gather_rows import read_complete
-from precache.loading._engine.read_state import ReadState, index_array
+from precache.loading._engine.read_state import Indices, ReadState, index_array
 
 __all__ = ["read_batch", "read_column"]
 
 
-def read_batch(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | None,
+def read_batch(state: ReadState, indices: Indices, ahead: Indices | None,
                storage_order: bool, empty: Callable[..., np.ndarray]) -> dict[str, Any]:
     """The columns of rows ``indices`` (see ``CachedDataset.read_batch``), with ``target``
     where the dataset has targets. A path may return a storage-order batch in storage order
@@ -37,7 +37,7 @@ def read_batch(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | 
     return out
 
 
-def _read(state: ReadState, indices: Sequence[int], ahead: Sequence[int] | None,
+def _read(state: ReadState, indices: Indices, ahead: Indices | None,
           storage_order: bool, empty: Callable[..., np.ndarray]) -> dict[str, Any]:
     """The requested columns of rows ``indices`` by the first path that serves them."""
     fast = read_complete(state, indices, empty)

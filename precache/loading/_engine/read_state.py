@@ -34,13 +34,16 @@ from precache.loading._engine.page_policy import PagePolicy
 from precache.loading._engine.row_selection import Selection
 from precache.loading._engine.row_table import RowTable
 
-__all__ = ["ReadState", "index_array"]
+__all__ = ["Indices", "ReadState", "index_array"]
+
+Indices = Sequence[int] | np.ndarray
+"""Rows asked for: a list of ints, or an integer array (a sampler's, ``make_loader``'s)."""
 
 Groups = list[tuple[int, np.ndarray, np.ndarray]]
 """``(shard, positions in the batch, rows in the shard)`` for each shard a batch touches."""
 
 
-def index_array(indices: Sequence[int]) -> np.ndarray:
+def index_array(indices: Indices) -> np.ndarray:
     """``indices`` as int64, taken from the array a ``make_loader`` ``IndexBatch`` carries
     (``array``) when it has one."""
     given = getattr(indices, "array", None)

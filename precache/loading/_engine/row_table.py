@@ -278,8 +278,9 @@ class _Span:
             self.items = np.empty((0, width // unit), dtype=dtype)
             return
         raw = self._raw = (ctypes.c_char * size).from_address(self.low)
+        # (numpy's stubs omit ctypes arrays from what ``buffer`` takes; they are buffers)
         self.items = np.ndarray(shape=(size - width + 1, width // unit), dtype=dtype,
-                                buffer=raw, strides=(1, unit))
+                                buffer=raw, strides=(1, unit))  # type: ignore[arg-type]
         self.items.flags.writeable = False
 
     def tensor(self) -> torch.Tensor:

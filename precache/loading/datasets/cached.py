@@ -101,7 +101,7 @@ class CachedDataset:
                  decode_images: bool = True, where: Mapping[str, Any] | None = None,
                  target: str | None = None) -> None:
         path = os.fspath(cache)
-        self._options = dict(  # for select(): the same options, over the same generation
+        self._options: dict[str, Any] = dict(  # for select(): the same options and generation
             columns=None if columns is None else list(columns), transform=transform,
             max_decoded_bytes=max_decoded_bytes, resident=resident,
             max_open_shards=max_open_shards, release_mapped_bytes=release_mapped_bytes,
@@ -230,15 +230,15 @@ class CachedDataset:
         self._finalizer = weakref.finalize(self, let_go, None, -1, None,
                                            self._state.policy.warmers)
 
-    def read_ahead(self, indices: Sequence[int]) -> None:
+    def read_ahead(self, indices: Sequence[int] | np.ndarray) -> None:
         """Ask the kernel to start reading the mapped columns of these rows; returns at once.
         Indices out of range are ignored. Skipped while reads come from memory (the last batch
         this process gathered read no page from disk): a hint per row would only cost system
         calls (``_engine.gather_shards``)."""
         gather_shards.read_ahead(self._state, indices)
 
-    def read_batch(self, indices: Sequence[int], ahead: Sequence[int] | None = None,
-                   storage_order: bool = False,
+    def read_batch(self, indices: Sequence[int] | np.ndarray,
+                   ahead: Sequence[int] | np.ndarray | None = None, storage_order: bool = False,
                    empty: Callable[..., np.ndarray] = np.empty) -> dict[str, Any]:
         """Columns of the given rows: arrays of shape (len(indices), ...), in the given order.
 
@@ -262,7 +262,7 @@ class CachedDataset:
         """
         return read_batch.read_batch(self._state, indices, ahead, storage_order, empty)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+    def __getitems__(self, indices: Sequence[int] | np.ndarray) -> list[Sample]:
         # make_loader's IndexBatch: a later batch of this worker, and any order will do; and
         # ThreadedBatches' pinned allocation (not for a transform: its samples are re-stacked)
         empty = getattr(indices, "empty", None) if self.transform is None else None

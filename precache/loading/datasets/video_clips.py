@@ -186,6 +186,7 @@ class _VideoDataset(CacheBackedByRows):
         unique, inverse = np.unique(wanted, return_inverse=True)
         batch = self.rows.read_batch(unique)  # one read for the whole batch, rows ascending
         inverse = inverse.reshape(-1)
+        labels, targets = self._index.labels, self._targets  # (both set where has_label)
         out, start = [], 0
         for video, (rows, track, valid) in zip(videos, plans):
             positions = inverse[start:start + len(rows)]
@@ -199,9 +200,9 @@ class _VideoDataset(CacheBackedByRows):
             item: Sample = dict(frames)
             item["video"] = str(self._index.videos[video])
             item["track"] = track
-            if self.has_label:
-                item["label"] = str(self._index.labels[video])
-                item["target"] = np.int64(self._targets[video])
+            if labels is not None and targets is not None:
+                item["label"] = str(labels[video])
+                item["target"] = np.int64(targets[video])
             item["valid"] = valid
             out.append(item)
         return out

@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -91,7 +91,8 @@ class _EpochLoader(DataLoader):
     sampler."""
 
     def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
+        # (PrecacheTrainer builds it with an ExactOnceBucketSampler)
+        cast(ExactOnceBucketSampler, self.batch_sampler).set_epoch(epoch)
 
 
 class _ModelInputs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
@@ -38,9 +38,14 @@ class _Rows(Subset):
     """Some rows of a ``CachedDataset`` that keep their ``shard_ids``, so that ``shard_window``
     still works on the training rows when validation rows are held out (``val_every``)."""
 
+    def __init__(self, dataset: CachedDataset, indices: Sequence[int]) -> None:
+        # (torch's stubs want a torch Dataset; Subset takes any dataset with __getitem__)
+        super().__init__(dataset, indices)  # type: ignore[arg-type]
+
     @property
     def shard_ids(self) -> np.ndarray:
-        return self.dataset.shard_ids[np.asarray(self.indices, dtype=np.int64)]
+        rows = cast(CachedDataset, self.dataset)  # (the dataset __init__ was given)
+        return rows.shard_ids[np.asarray(self.indices, dtype=np.int64)]
 
 
 class CacheDataModule(L.LightningDataModule):
@@ -128,7 +133,7 @@ class CacheDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.columns = list(columns) if columns else None
         self.train_transform = train_transform
-        self.loader_options = {"collate_fn": collate_fn, "worker_kind": worker_kind,
+        self.loader_options: dict[str, Any] = {"collate_fn": collate_fn, "worker_kind": worker_kind,
                                "num_workers": num_workers}
         self.batch_transform, self.bucket_by = batch_transform, bucket_by
         self.caches = {"val": val_cache, "test": test_cache, "predict": predict_cache}

@@ -84,6 +84,7 @@ class IndexBatch(list):
 
     ahead: list[int] | None = None
     storage_order = True
+    array: np.ndarray | None = None
     empty: Callable[..., np.ndarray] | None = None
 
 

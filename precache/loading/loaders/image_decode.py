@@ -140,9 +140,9 @@ def _on_gpu(rows: Sequence[Any], device: torch.device, where: str,
             images[i] = image.permute(1, 2, 0)  # CHW -> HWC
     rest = [i for i, image in enumerate(images) if image is None]
     if rest:
-        decoded = torch.from_numpy(_decode_on_cpu([rows[i] for i in rest], where)).to(device)
+        on_cpu = torch.from_numpy(_decode_on_cpu([rows[i] for i in rest], where)).to(device)
         for k, i in enumerate(rest):
-            images[i] = decoded[k]
+            images[i] = on_cpu[k]
     _check_one_size([tuple(image.shape) for image in images if image is not None], where)
     return torch.stack([image for image in images if image is not None])
 

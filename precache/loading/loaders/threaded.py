@@ -83,6 +83,12 @@ class _Indices(list):
     ``IndexBatch`` carries, for indices that came as a plain list or were mapped through a
     ``Subset``."""
 
+    # (declared only: an attribute not set stays absent, as readers' getattr defaults expect)
+    array: np.ndarray
+    storage_order: bool
+    ahead: list[int] | None
+    empty: Callable[..., np.ndarray] | None
+
 
 def _allocating(indices: Any, empty: Callable[..., np.ndarray]) -> Any:
     """``indices`` with ``empty`` attached, as ``make_loader``'s ``IndexBatch`` carries

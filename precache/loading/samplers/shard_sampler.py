@@ -181,7 +181,7 @@ class DistributedShardSampler(Sampler[int]):
         rng = np.random.default_rng([self.seed, self.epoch])
         if kind == "permutation":
             return rng.permutation(self.size)
-        if self._shards is None:
+        if self._shards is None or self.shard_window is None:  # (both set together)
             raise ValueError("a 'windows' order needs shard_window and the dataset's shard_ids")
         shards, shard_of = np.unique(self._shards, return_inverse=True)
         place = np.empty(len(shards), dtype=np.int64)
