@@ -100,18 +100,21 @@ def _normalise(pixels: np.ndarray) -> np.ndarray:
 
 def _crops(image: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
     """Crop each integer box (inclusive corners, 1-based as in the original), zero-padded where it
-    leaves the image, resized to size x size: uint8 (N, size, size, 3), upright."""
+    leaves the image, resized to size x size: uint8 (N, size, size, 3), upright. A box inside the
+    image is resized straight from a view of it (the same pixels, no padded copy)."""
     height, width = image.shape[:2]
     out = np.empty((len(boxes), size, size, 3), dtype=np.uint8)
-    for k, (x0, y0, x1, y1) in enumerate(boxes.astype(np.int64)):
-        bw, bh = x1 - x0 + 1, y1 - y0 + 1
-        patch = np.zeros((bh, bw, 3), dtype=np.uint8)
-        sx0, sy0 = max(x0 - 1, 0), max(y0 - 1, 0)
-        sx1, sy1 = min(x1, width), min(y1, height)
-        if sx1 > sx0 and sy1 > sy0:
-            patch[sy0 - (y0 - 1): sy1 - (y0 - 1), sx0 - (x0 - 1): sx1 - (x0 - 1)] = \
-                image[sy0:sy1, sx0:sx1]
-        out[k] = cv2.resize(patch, (size, size), interpolation=cv2.INTER_AREA)
+    for k, (x0, y0, x1, y1) in enumerate(boxes.astype(np.int64).tolist()):
+        if x0 >= 1 and y0 >= 1 and x1 <= width and y1 <= height:
+            patch = image[y0 - 1:y1, x0 - 1:x1]
+        else:
+            patch = np.zeros((y1 - y0 + 1, x1 - x0 + 1, 3), dtype=np.uint8)
+            sx0, sy0 = max(x0 - 1, 0), max(y0 - 1, 0)
+            sx1, sy1 = min(x1, width), min(y1, height)
+            if sx1 > sx0 and sy1 > sy0:
+                patch[sy0 - (y0 - 1): sy1 - (y0 - 1), sx0 - (x0 - 1): sx1 - (x0 - 1)] = \
+                    image[sy0:sy1, sx0:sx1]
+        cv2.resize(patch, (size, size), dst=out[k], interpolation=cv2.INTER_AREA)
     return out
 
 

@@ -4,6 +4,8 @@ CUDA GPU (``device``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,15 @@ DEVICES = ("auto", "cpu", "cuda")
 """``device`` values: ``auto`` (a CUDA GPU where torch sees one, else the CPU), ``cpu``,
 ``cuda`` (or ``cuda:N``)."""
 
-CPU_ENGINE = "torch"
-"""The MTCNN engine on the CPU (``device=cpu``, and ``auto`` without a GPU): ``torch``
-(``precache.faces.mtcnn_torch``) or ``opencv`` (``MTCNN``), whichever was faster on the same
-photos in ``tests/benchmarks/bench_mtcnn.py`` (docs/performance.md)."""
+CPU_ENGINE = "opencv"
+"""The MTCNN engine on the CPU (``device=cpu``, and ``auto`` without a GPU): ``opencv``
+(``MTCNN``) or ``torch`` (``precache.faces.mtcnn_torch``). OpenCV: on this project's 2-core
+machine, one thread, the torch engine was 0.98-1.15x OpenCV's speed (CPU time,
+``tests/benchmarks/bench_mtcnn.py``; both near the core's peak on the same convolutions), so
+not worth importing torch into every stage-1 worker (its start-up and memory), and OpenCV's
+results are the ones earlier caches hold. The environment variable
+``PRECACHE_MTCNN_CPU_ENGINE`` (``torch`` or ``opencv``) overrides it in the process that sets
+up the op (stage-1 workers inherit it): the benchmark compares both in the pipeline with it."""
 
 
 def check_device(device: str) -> str:
@@ -41,14 +48,26 @@ def check_device(device: str) -> str:
     return device
 
 
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU; on Linux without NVIDIA's driver files, False without
+    importing torch (``auto`` on a CPU machine keeps torch out of the workers)."""
+    if sys.platform.startswith("linux") and not (
+            Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def make_mtcnn(device: str, min_face: float, thresholds: tuple[float, float, float]) -> Cascade:
     """The MTCNN cascade for ``device`` (``check_device``): on a CUDA GPU the torch engine;
     on the CPU ``CPU_ENGINE``."""
     if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and CPU_ENGINE == "opencv":
+        device = "cuda" if _cuda_available() else "cpu"
+    engine = os.environ.get("PRECACHE_MTCNN_CPU_ENGINE", CPU_ENGINE)
+    if engine not in ("torch", "opencv"):
+        raise ValueError(f"PRECACHE_MTCNN_CPU_ENGINE must be torch or opencv, not {engine!r}")
+    if device == "cpu" and engine == "opencv":
         return MTCNN(min_face, thresholds)
     from precache.faces.mtcnn_torch import TorchMTCNN
 

@@ -6,9 +6,11 @@ of the face ops (one-line errors, not in the fingerprint)."""
 from __future__ import annotations
 
 import cv2
+import matplotlib.cbook
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from skimage import data
 
 from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
@@ -17,9 +19,22 @@ from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
 from precache.processing.ops.video_faces import VideoFaces
 from precache.processing.pipeline import PipelineError, load_pipeline
 from tests.helpers import REPO, load_script
-from tests.precache.processing.ops.test_faces import group_photo, hopper
 
 PIXEL = 1.0  # boxes and points agree within 1 px
+
+
+def hopper() -> np.ndarray:
+    """matplotlib's Grace Hopper portrait."""
+    path = matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def group_photo() -> np.ndarray:
+    """Two faces pasted on the coffee photo, side by side."""
+    canvas = cv2.resize(data.coffee(), (800, 400))
+    canvas[40:340, 30:330] = cv2.resize(data.astronaut()[20:240, 110:330], (300, 300))
+    canvas[60:360, 450:750] = cv2.resize(hopper()[80:380, 110:410], (300, 300))
+    return canvas
 
 
 def sample_pictures(count: int) -> dict[str, np.ndarray]:
@@ -123,14 +138,20 @@ def test_video_frames_in_one_batch_equal_opencv_frame_by_frame_and_refine_too(en
         assert_same_faces(want, got, f"refined frame {k + 1}")
 
 
-def test_detect_faces_runs_on_the_device_asked_for_and_device_is_not_in_the_fingerprint():
+def test_detect_faces_runs_on_the_engine_asked_for_and_device_is_not_in_the_fingerprint(
+        monkeypatch):
     cpu = DetectFaces(device="cpu")
     assert cpu.describe() == DetectFaces(device="auto").describe() == DetectFaces().describe()
     assert "device" not in VideoFaces(device="cpu").params
+    assert type(make_mtcnn("cpu", 20, (0.6, 0.7, 0.7))) is MTCNN  # CPU_ENGINE
+    monkeypatch.setenv("PRECACHE_MTCNN_CPU_ENGINE", "torch")
     cpu.setup()
-    assert isinstance(cpu.detector, type(make_mtcnn("cpu", 20, (0.6, 0.7, 0.7))))
+    assert isinstance(cpu.detector, TorchMTCNN) and cpu.detector.device.type == "cpu"
     face = cpu({"key": "a", "image": data.astronaut()[::2, ::2]})
     assert 85 < face["box"][0] < 95 and 30 < face["box"][1] < 45
+    monkeypatch.setenv("PRECACHE_MTCNN_CPU_ENGINE", "onnx")
+    with pytest.raises(ValueError, match="PRECACHE_MTCNN_CPU_ENGINE must be torch or opencv"):
+        DetectFaces(device="cpu").setup()
 
 
 def test_a_bad_or_absent_device_is_one_line_naming_the_fix():
