@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 from skimage import data
 
-from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
-from precache.faces.mtcnn_torch import TorchMTCNN, torch_nets
+from precache.faces.mtcnn import MTCNN, _level, mtcnn_weight_files
+from precache.faces.mtcnn_torch import TorchMTCNN, _device_level, torch_nets
 from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
 from precache.processing.ops.video_faces import VideoFaces
 from precache.processing.pipeline import PipelineError, load_pipeline
@@ -88,6 +88,12 @@ def engines() -> tuple[MTCNN, TorchMTCNN]:
     return MTCNN(), TorchMTCNN(device="cpu")
 
 
+@pytest.fixture(scope="module")
+def opencv_faces(photos, engines) -> dict[str, tuple]:
+    """Today's faces: the OpenCV engine on each photo alone."""
+    return {name: engines[0].detect(photo) for name, photo in photos.items()}
+
+
 def assert_same_faces(expected: tuple, found: tuple, name: str) -> None:
     assert len(found[0]) == len(expected[0]), f"{name}: {len(found[0])} faces, not {len(expected[0])}"
     if len(expected[0]):
@@ -114,15 +120,28 @@ def test_each_network_equals_opencvs_on_the_same_input(name, size):
         np.testing.assert_allclose(got.numpy(), want, atol=1e-4)
 
 
-def test_torch_finds_opencvs_faces_one_by_one_and_in_one_batch(photos, engines):
-    opencv, torch_mtcnn = engines
-    expected = {name: opencv.detect(photo) for name, photo in photos.items()}
+def test_torch_finds_opencvs_faces_one_by_one_and_in_one_batch(photos, engines, opencv_faces):
+    torch_mtcnn = engines[1]
+    expected = opencv_faces
     assert sum(len(found[0]) for found in expected.values()) >= 10  # faces to compare
     for name, photo in photos.items():
         assert_same_faces(expected[name], torch_mtcnn.detect(photo), name)
     batched = torch_mtcnn.detect_batch(list(photos.values()))  # mixed sizes in one call
     for (name, want), got in zip(expected.items(), batched):
         assert_same_faces(want, got, name)
+
+
+def test_the_device_pyramid_is_opencvs_resize_and_finds_the_same_faces(photos, opencv_faces):
+    """The pyramid CUDA builds (``area_matrix`` products), here on the CPU."""
+    image = photos["group"]
+    for scale in (0.6, 0.3016, 0.0762):
+        want = _level(image, scale)
+        got = _device_level(torch.from_numpy(image[None]).float(), want.shape[:2])[0].numpy()
+        assert np.abs(got - want).max() <= 1 and (got != want).mean() < 1e-4
+    on_device = TorchMTCNN(device="cpu", device_pyramid=True)
+    names = [name for name in photos if len(opencv_faces[name][0])][:5]
+    for name, got in zip(names, on_device.detect_batch([photos[name] for name in names])):
+        assert_same_faces(opencv_faces[name], got, name)
 
 
 def test_video_frames_in_one_batch_equal_opencv_frame_by_frame_and_refine_too(engines):
@@ -167,11 +186,11 @@ def test_a_bad_or_absent_device_is_one_line_naming_the_fix():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
-def test_on_cuda_the_faces_are_opencvs(photos, engines):
-    opencv, _ = engines
+def test_on_cuda_the_faces_are_opencvs(photos, engines, opencv_faces):
+    opencv = engines[0]
     gpu = TorchMTCNN(device="cuda")
     for (name, photo), got in zip(photos.items(), gpu.detect_batch(list(photos.values()))):
-        assert_same_faces(opencv.detect(photo), got, name)
+        assert_same_faces(opencv_faces[name], got, name)
     frames = video_frames(8)
     for k, got in enumerate(gpu.detect_batch(frames)):
         assert_same_faces(opencv.detect(frames[k]), got, f"frame {k}")
