@@ -2,7 +2,7 @@
 and the faces pipeline with 2 workers on each engine.
 
     .venv/bin/python tests/benchmarks/bench_mtcnn.py [--photos 32] [--frames 32] [--repeat 3]
-        [--baseline df506cf] [--pipeline 0]
+        [--baseline df506cf] [--pipeline 0] [--cuda]
 
 Baseline ("today"): ``precache/faces/mtcnn.py`` as of commit ``--baseline`` (the last commit
 before the torch engine; read with ``git show`` and imported as a module of its own), i.e.
@@ -21,6 +21,9 @@ Inputs: the first ``--photos`` pictures of ``data/make_samples.py`` (made in mem
 groups, no face) resized to 640x480; ``--frames`` frames of ``data/make_videos.py``'s first
 scene (a face gliding over a background) rendered at 640x480 (not encoded). Every form must find
 as many faces as the baseline (printed; a mismatch is flagged).
+
+``--cuda``: also ``TorchMTCNN(device="cuda")`` at batch 1, 8, 32 and 128 (photos/s, wall), when
+torch sees a GPU; else the rows say "not lent".
 
 ``--pipeline N``: also ``precache.run`` of the ``faces`` pipeline with 2 workers over N of the
 pictures (their own sizes, written as JPEG to a temporary folder), once per CPU engine
@@ -151,6 +154,28 @@ def pipeline_rates(images: list[np.ndarray], repeat: int) -> None:
               f"x{best['opencv'] / wall:.2f} against opencv")
 
 
+def cuda_rates(photos: list[np.ndarray], video: list[np.ndarray], baseline: object,
+               repeat: int) -> None:
+    """Torch on the GPU against the baseline on one CPU thread, same images."""
+    if not torch.cuda.is_available():
+        print("\ncuda: not lent (torch sees no CUDA GPU)")
+        return
+    gpu = TorchMTCNN(device="cuda")
+
+    def synced(run: Callable[[list[np.ndarray]], list]) -> Callable[[list[np.ndarray]], list]:
+        def timed(images: list[np.ndarray]) -> list:
+            out = run(images)
+            torch.cuda.synchronize()
+            return out
+        return timed
+
+    forms = {"baseline": lambda images: [baseline.detect(i) for i in images],  # type: ignore[attr-defined]
+             **{f"cuda b{n}": synced(batched(gpu.detect_batch, n)) for n in (1, 8, 32, 128)}}
+    print(f"\ncuda: {torch.cuda.get_device_name()}")
+    report("photos 640x480 on cuda", measure(forms, photos, repeat), len(photos))
+    report("video frames 640x480 on cuda", measure(forms, video, repeat), len(video))
+
+
 def main() -> None:
     global BASELINE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -159,6 +184,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--pipeline", type=int, default=0)
+    parser.add_argument("--cuda", action="store_true")
     args = parser.parse_args()
     BASELINE = args.baseline
     torch.set_num_threads(1)
@@ -173,6 +199,8 @@ def main() -> None:
     report("photos 640x480", measure(forms, photos, args.repeat), len(photos))
     video = frames(args.frames)
     report("video frames 640x480", measure(forms, video, args.repeat), len(video))
+    if args.cuda:
+        cuda_rates(photos, video, baseline, args.repeat)
     if args.pipeline:
         pipeline_rates(pictures(args.pipeline), args.repeat)
     print(f"\nload after: {os.getloadavg()[0]:.2f} (1 min)")

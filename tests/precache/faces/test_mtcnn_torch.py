@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from skimage import data
 
-from precache.faces.mtcnn import MTCNN, _level, mtcnn_weight_files
+from precache.faces.mtcnn import MTCNN, _level, _nms, _nms_loop, mtcnn_weight_files
 from precache.faces.mtcnn_torch import TorchMTCNN, _device_level, torch_nets
 from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
 from precache.processing.ops.video_faces import VideoFaces
@@ -118,6 +118,23 @@ def test_each_network_equals_opencvs_on_the_same_input(name, size):
     for want, got in zip(expected, found):
         assert tuple(got.shape) == want.shape
         np.testing.assert_allclose(got.numpy(), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["union", "min"])
+def test_nms_on_the_overlap_matrix_keeps_what_greedy_nms_keeps(mode):
+    """Chains of overlapping boxes (where one round of matrix suppression is not greedy NMS),
+    ties and scattered boxes."""
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 30, 300):
+        corners = rng.uniform(0, 200, (n, 2)).round()
+        sides = rng.uniform(5, 60, (n, 1)).round()
+        boxes = np.concatenate([corners, corners + sides], axis=1)
+        chain = np.arange(n)[:, None] * np.array([[4.0, 0, 4, 0]]) + [0, 0, 20, 20]
+        scores = rng.choice([0.7, 0.8, 0.9, 0.95], n).astype(np.float32)
+        for candidates in (boxes, chain):
+            for threshold in (0.3, 0.5, 0.7):
+                want = _nms_loop(candidates, np.argsort(scores)[::-1], threshold, mode)
+                np.testing.assert_array_equal(_nms(candidates, scores, threshold, mode), want)
 
 
 def test_torch_finds_opencvs_faces_one_by_one_and_in_one_batch(photos, engines, opencv_faces):
