@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
 from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
@@ -46,8 +45,6 @@ MODELS = {
     "short": ("face_detection_short_range_cpu.binarypb", "face_detection_short_range.tflite"),
 }
 """Model name -> (MediaPipe graph, TFLite weights), both in mediapipe/modules/face_detection/."""
-INPUT_SIZE = {"full": 192, "short": 128}
-"""Each model's square input, pixels: MediaPipe letterboxes the whole image into it."""
 
 
 def blazeface_model_files(model: str = "full") -> list[Path]:
@@ -193,15 +190,10 @@ class BlazeFace:
         """BlazeFace's boxes (N, 4; x0, y0, x1, y1 in pixel-centre coordinates) and scores over
         the whole image and its tiles, overlaps merged."""
         height, width = image.shape[:2]
-        size = INPUT_SIZE[self.model]
         boxes, scores = [], []
         for x0, y0, x1, y1 in _windows(height, width, self.tile):
             w, h = x1 - x0, y1 - y0
             window = np.ascontiguousarray(image[y0:y1, x0:x1])
-            shrink = size / max(w, h)
-            if shrink < 1:  # area averaging: MediaPipe's own resize is bilinear, no anti-aliasing
-                window = cv2.resize(window, (max(1, round(w * shrink)), max(1, round(h * shrink))),
-                                    interpolation=cv2.INTER_AREA)
             for found in self.graph.process({"image": window}).detections or []:
                 b = found.location_data.relative_bounding_box
                 # Fractions of the window's width/height; pixel centres sit at i.
