@@ -13,8 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from precache.loading import CachedDataset
 from precache.processing.ops import Op, Sample, Skip
 from precache.processing.pipeline import Pipeline
+
+PIPELINE = "tests.precache.processing.device_pipeline:pipeline"
+QUIET = {"progress": False, "log": lambda *_: None}
 
 
 class OnDevice(Op):
@@ -69,3 +73,22 @@ def make_ops(marker: str = "") -> list[Op]:
 
 pipeline = Pipeline(name="device", make_ops=make_ops, extensions=(".txt",),
                     description="a device op between two worker ops")
+
+
+def make_inputs(folder: Path) -> Path:
+    """10 inputs, one the device op skips and one it fails."""
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"{i:02d}.txt").write_text("x" * (i + 1))
+    (folder / "skip.txt").write_text("skip me")
+    (folder / "fail.txt").write_text("fail me")
+    return folder
+
+
+def rows_of(cache: Path) -> dict[str, tuple]:
+    """key -> (value, text, has_data, device_pid, worker_pid) of every row, in storage order."""
+    data = CachedDataset(cache, columns=["key", "value", "text", "has_data", "device_pid",
+                                         "worker_pid"], resident=False)
+    rows = data.__getitems__(list(range(len(data))))
+    return {r["key"]: (float(r["value"]), r["text"], bool(r["has_data"]), int(r["device_pid"]),
+                       int(r["worker_pid"])) for r in rows}

@@ -12,36 +12,16 @@ from pathlib import Path
 import pytest
 
 import precache
-from precache.loading import CachedDataset
-
-PIPELINE = "tests.precache.processing.device_pipeline:pipeline"
-QUIET = {"progress": False, "log": lambda *_: None}
-
-
-def _inputs(folder: Path) -> Path:
-    folder.mkdir()
-    for i in range(10):
-        (folder / f"{i:02d}.txt").write_text("x" * (i + 1))
-    (folder / "skip.txt").write_text("skip me")
-    (folder / "fail.txt").write_text("fail me")
-    return folder
-
-
-def _rows(cache: Path) -> dict[str, tuple]:
-    data = CachedDataset(cache, columns=["key", "value", "text", "has_data", "device_pid",
-                                         "worker_pid"], resident=False)
-    rows = data.__getitems__(list(range(len(data))))
-    return {r["key"]: (float(r["value"]), r["text"], bool(r["has_data"]), int(r["device_pid"]),
-                       int(r["worker_pid"])) for r in rows}
+from tests.precache.processing.device_pipeline import PIPELINE, QUIET, make_inputs, rows_of
 
 
 def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(tmp_path: Path) -> None:
-    inputs = _inputs(tmp_path / "in")
+    inputs = make_inputs(tmp_path / "in")
     staged = precache.run(PIPELINE, inputs, tmp_path / "staged", workers=2, shard_rows=3,
                           **QUIET)
     plain = precache.run(PIPELINE, inputs, tmp_path / "plain", workers=2, shard_rows=3,
                          device_stage=False, **QUIET)
-    got, expected = _rows(tmp_path / "staged"), _rows(tmp_path / "plain")
+    got, expected = rows_of(tmp_path / "staged"), rows_of(tmp_path / "plain")
     assert list(got) == list(expected) and len(got) == 10  # same keys, same order
     assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
     # one device process for both workers, not a worker; the worker op kept the raw bytes
@@ -62,7 +42,7 @@ def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(tmp_path: P
 
 def test_a_killed_device_process_stops_the_run_in_one_line_and_a_rerun_resumes(
         tmp_path: Path) -> None:
-    inputs = _inputs(tmp_path / "in")
+    inputs = make_inputs(tmp_path / "in")
     (inputs / "zz.txt").write_text("die here")
     cache, marker = tmp_path / "cache", tmp_path / "died"
     command = [sys.executable, "-m", "precache", "run", PIPELINE, "-i", str(inputs), "-o",
@@ -74,7 +54,7 @@ def test_a_killed_device_process_stops_the_run_in_one_line_and_a_rerun_resumes(
     second = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     reused = int(re.search(r"reused (\d+)", second.stdout)[1])
     assert 0 < reused < 13  # the shards the first run committed are kept, the rest computed
-    rows = _rows(cache)
+    rows = rows_of(cache)
     assert len(rows) == 11 and rows["zz.txt"][1] == "die here"
 
 

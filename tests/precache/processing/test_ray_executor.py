@@ -338,14 +338,14 @@ def test_without_ray_the_error_says_what_to_install(photos: Path, tmp_path: Path
 @needs_ray
 def test_device_ops_run_in_a_device_actor_that_the_worker_actors_share(
         cluster: Cluster, tmp_path: Path) -> None:
-    from tests.precache.processing.test_device_stage import PIPELINE, QUIET, _inputs, _rows
+    from tests.precache.processing.device_pipeline import PIPELINE, QUIET, make_inputs, rows_of
 
-    inputs = _inputs(tmp_path / "in")
+    inputs = make_inputs(tmp_path / "in")
     precache.run(PIPELINE, inputs, tmp_path / "local", workers=2, shard_rows=3,
                  device_stage=False, **QUIET)
     on_ray = precache.run(PIPELINE, inputs, tmp_path / "ray", workers=2, shard_rows=3,
                           executor="ray", **QUIET)
-    got, expected = _rows(tmp_path / "ray"), _rows(tmp_path / "local")
+    got, expected = rows_of(tmp_path / "ray"), rows_of(tmp_path / "local")
     assert list(got) == list(expected)
     assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
     device_pids, worker_pids = {r[3] for r in got.values()}, {r[4] for r in got.values()}
