@@ -582,6 +582,19 @@ def _file_hash(item: Any) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def _task_rows(n: int, workers: int | None) -> int:
+    """Samples per stage-1 task (and shard) of ``cache_transforms``: about four tasks per
+    worker, at most 16 samples. Why: a chain's sample costs 0.1-1 s (a volume loaded and
+    resampled), and a spawned worker spends seconds importing MONAI before its first one
+    (13-18 s on 2 loaded cores); in small tasks the calling process, which has imported it,
+    keeps taking them meanwhile and every process finishes within one task of the others
+    (the default, 16 samples a task, left it waiting for a worker still importing)."""
+    from precache.processing.runner import stage1_workers
+
+    count = stage1_workers() if workers is None else max(1, workers)
+    return max(1, min(16, n // (4 * count)))
+
+
 def cache_transforms(
     items: Sequence[Any],
     transforms: Any,
@@ -616,6 +629,8 @@ def cache_transforms(
         options: as ``cache_dataset`` (``progress``, ``format``, ``shard_rows``, ``ragged``,
             ``overwrite``, ``log`` ...) and ``CachedDataset`` (``where`` ...). MONAI chains
             store their ``MetaTensor`` fields with varying shape unless ``ragged`` is given.
+            ``shard_rows`` defaults to about a quarter of each worker's share, at most 16
+            (``_task_rows``).
 
     Returns:
         A ``CachedDataset`` of the prefix's outputs (in items' order after a full build),
@@ -643,6 +658,8 @@ def cache_transforms(
     dataset = PrefixDataset(items, chain, load)
     if chain.kind == "monai" and "ragged" not in options and items:
         options["ragged"] = _loaded_keys(chain, items[0])
+    if options.get("shard_rows") is None:
+        options["shard_rows"] = _task_rows(len(items), workers)
     keys = _item_keys(items)
     cached = cache_dataset(
         dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),

@@ -34,8 +34,8 @@ Per method:
   flip run by precache on the stored rows with MONAI's random draws (``PlainTail``), what
   ``persistent-nometa`` and ``cache-nometa`` give.
 
-Printed per method: the ranks' samples/s summed for epoch 1 and for epochs 2.. (each rank's
-samples over its time); end to end, both ranks' samples of all epochs over the wall time
+Printed per method: the ranks' samples/s summed for epoch 1 and for epochs 2.. (the median
+of each rank's epochs: use ``--epochs 11`` on a shared machine); end to end, both ranks' samples of all epochs over the wall time
 (precache's stage 1, then the slower rank's preparation and epochs); the ranks' USS and RSS
 summed at the end of the last epoch; then the ratios
 of ``precache`` and ``precache-plain`` to each MONAI cache, each line naming its baseline.
@@ -157,10 +157,10 @@ def two_ranks(kind: str, items: list[dict[str, str]], cached: Any, work: Path,
     results = [queue.get(timeout=1800) for _ in ranks]
     for p in ranks:
         p.join()
-    # epoch 1, then epochs 2.. together (each rank's samples over its time, ranks summed)
+    # epoch 1, then the median of epochs 2.. (an epoch of 12 samples lasts milliseconds on the
+    # fastest path: one stall on 2 shared cores would sway a mean), each rank's, ranks summed
     per_epoch = [sum(r["epochs"][0][0] / r["epochs"][0][1] for r in results),
-                 sum(sum(n for n, _ in r["epochs"][1:]) / sum(t for _, t in r["epochs"][1:])
-                     for r in results)]
+                 sum(float(np.median([n / t for n, t in r["epochs"][1:]])) for r in results)]
     total = sum(n for r in results for n, _ in r["epochs"])
     slowest = max(r["prepare"] + sum(s for _, s in r["epochs"]) for r in results)
     overall = total / (stage1 + slowest)  # end to end: stage 1 (precache), then the ranks

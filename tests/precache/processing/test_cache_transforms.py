@@ -169,6 +169,9 @@ def test_stage_1_runs_each_items_prefix_once_the_probed_ones_included(
     cached = cache_transforms(volumes, chain, tmp_path / "cache", workers=1, progress=False,
                               log=lambda _: None)
     assert len(CALLS) == len(volumes)
+    # in tasks of about a quarter of a worker's share (a worker importing MONAI is not waited
+    # for): 6 samples, one process, tasks (and shards) of one sample
+    assert len(set(cached.shard_ids.tolist())) == len(volumes)
     cached.transform = TransformedSample(cached.transform.restore, None)
     for i in (0, 2, 5):  # probed (0, 5) and computed (2) alike: the prefix's values
         expected = Chain(chain).prefix(dict(volumes[i]))
