@@ -22,6 +22,7 @@ differ from OpenCV's by float rounding only (~1e-6), and boxes and points agree 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from typing import Iterator
@@ -215,14 +216,8 @@ def torch_nets(device: str | torch.device = "cpu") -> dict[str, nn.Module]:
     if key not in _DEVICE_NETS:
         cpu = _cpu_nets()
         _DEVICE_NETS[key] = cpu if key == "cpu" else {
-            name: _copy(net).to(device) for name, net in cpu.items()}
+            name: copy.deepcopy(net).to(device) for name, net in cpu.items()}
     return _DEVICE_NETS[key]
-
-
-def _copy(net: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(net)
 
 
 PATCH_BATCH_CPU = 256
