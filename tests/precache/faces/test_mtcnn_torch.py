@@ -5,6 +5,10 @@ of the face ops (one-line errors, not in the fingerprint)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import cv2
 import matplotlib.cbook
 import numpy as np
@@ -188,6 +192,20 @@ def test_detect_faces_runs_on_the_engine_asked_for_and_device_is_not_in_the_fing
     monkeypatch.setenv("PRECACHE_MTCNN_CPU_ENGINE", "onnx")
     with pytest.raises(ValueError, match="PRECACHE_MTCNN_CPU_ENGINE must be torch or opencv"):
         DetectFaces(device="cpu").setup()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.path.exists("/dev/nvidiactl")
+                    or os.path.exists("/proc/driver/nvidia"),
+                    reason="an NVIDIA driver here (or not Linux): auto asks torch")
+def test_auto_without_a_gpu_keeps_torch_out_of_the_worker():
+    """A stage-1 worker on a CPU machine sets up DetectFaces(device="auto") without importing
+    torch (its start-up and memory in every worker, for an engine not used there)."""
+    code = ("import sys; from skimage import data\n"
+            "from precache.processing.ops.face_detect import DetectFaces\n"
+            "op = DetectFaces(); op.setup(); op({'key': 'a', 'image': data.astronaut()[::4, ::4]})\n"
+            "assert 'torch' not in sys.modules, 'auto imported torch'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_bad_or_absent_device_is_one_line_naming_the_fix():
