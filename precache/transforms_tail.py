@@ -125,7 +125,9 @@ class PlainTail:
 
     def __init__(self, restore: Any, chain: Any, start: int) -> None:
         self.restore, self.chain, self.start = restore, chain, start
-        self.native = native_steps(list(chain.transforms), start)
+        # a lazy Compose resamples its pending crops and flips at once: MONAI's way, not ours
+        lazy = getattr(chain, "lazy", False)
+        self.native = 0 if lazy else native_steps(list(chain.transforms), start)
         columns = restore.layout["columns"]
         self._tensors = {tuple(s["path"])[0] for s in columns.values()
                          if s["type"] == "tensor" and len(s["path"]) == 1}
