@@ -92,13 +92,17 @@ class DetectFaces(Op):
             cache's fingerprint: every device runs the same weights through the same cascade
             code and gives the same faces, boxes and points within 1 px (float rounding in the
             networks only), so moving a cache's run from the CPU to a GPU (or back) does not
-            recompute what is cached.
+            recompute what is cached. On a CUDA GPU the op runs in the run's device stage
+            (``device_stage``): one process for all workers, which detects on every worker's
+            photos in one batch (``precache.processing.executors.device_stage``).
 
-    An image without a face is skipped with reason ``no_face``.
+    An image without a face is skipped with reason ``no_face``. Photos are detected a batch at
+    a time (``call_batch``: one batch per image size), with the same faces as one by one.
     """
 
     name = "detect_faces"
     version = "1"
+    batched = True
 
     def __init__(self, *, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
                  keep: str = "largest", detect_size: int = 1024, device: str = "auto") -> None:
@@ -177,12 +181,28 @@ class DetectFaces(Op):
         assert self.detector is not None
         return self.detector.refine(images, boxes)
 
+    @property
+    def device_stage(self) -> bool:
+        """Whether the op runs in the run's device stage: where its networks run on a GPU."""
+        return self.device.startswith("cuda") or (self.device == "auto" and _cuda_available())
+
+    def call_batch(self, samples: list[Sample]) -> list[Any]:
+        """Every sample's faces (``__call__``'s result, or ``Skip``), detected in one batch per
+        image size (``detect_many``)."""
+        found = self.detect_many([sample["image"] for sample in samples])
+        return [self._faces(sample, *faces) for sample, faces in zip(samples, found)]
+
     def __call__(self, sample: Sample) -> Sample | list[Sample]:
-        if self.detector is None:
-            self.setup()
-        boxes, scores, landmarks = self._detect(sample["image"])
+        result = self._faces(sample, *self._detect(sample["image"]))
+        if isinstance(result, Skip):
+            raise result
+        return result
+
+    def _faces(self, sample: Sample, boxes: np.ndarray, scores: np.ndarray,
+               landmarks: np.ndarray) -> Sample | list[Sample] | Skip:
+        """The rows of ``sample``'s detections as ``keep`` says, or ``Skip`` without a face."""
         if len(boxes) == 0:
-            raise Skip("no_face")
+            return Skip("no_face")
         faces = [dict(sample, box=boxes[i], score=np.float32(scores[i]), landmarks5=landmarks[i])
                  for i in range(len(boxes))]
         if self.keep == "all":

@@ -90,6 +90,23 @@ def test_detect_faces_keeps_the_largest_or_all_and_skips_no_face():
         DetectFaces()({"key": "c.jpg", "image": data.coffee()})
 
 
+def test_a_batch_of_photos_of_several_sizes_gives_each_photo_its_own_faces():
+    op = DetectFaces(keep="all")
+    samples = [{"key": "g", "image": group_photo()}, {"key": "c", "image": data.coffee()},
+               {"key": "a", "image": data.astronaut()}, {"key": "h", "image": hopper()}]
+    batched = op.call_batch([dict(s) for s in samples])
+    assert isinstance(batched[1], precache.Skip) and batched[1].reason == "no_face"
+    for sample, got in zip(samples, batched):
+        if sample["key"] == "c":
+            continue
+        alone = op(dict(sample))
+        assert [f["key"] for f in got] == [f["key"] for f in alone]
+        for a, b in zip(got, alone):
+            assert np.array_equal(a["box"], b["box"])
+            assert np.array_equal(a["landmarks5"], b["landmarks5"])
+    assert not op.device_stage  # on the CPU every worker detects its own photos
+
+
 def test_a_large_photo_is_detected_on_a_shrunk_copy_in_source_pixels():
     big = cv2.resize(data.astronaut(), (2048, 2048), interpolation=cv2.INTER_LINEAR)
     op = DetectFaces(detect_size=512)
