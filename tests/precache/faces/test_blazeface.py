@@ -56,6 +56,13 @@ def test_blazeface_finds_nothing_in_photos_without_faces(detector):
         assert boxes.shape == (0, 4) and scores.shape == (0,) and points.shape == (0, 5, 2)
 
 
+def test_onet_rejects_the_background_blazeface_proposes_without_the_rnet_screen():
+    unscreened = BlazeFace(thresholds=(0.02, 0.0, 0.7))  # every proposal reaches O-Net
+    for photo in (data.coffee(), data.rocket()):
+        assert len(unscreened.candidates(photo)[0]) > 0
+        assert len(unscreened.detect(photo)[0]) == 0
+
+
 def test_rnet_screens_out_background_candidates_and_keeps_the_face(detector):
     background = detector.candidates(data.coffee())[0]  # BlazeFace's low bar proposes cups
     assert len(background) > 0
