@@ -88,7 +88,7 @@ def blazeface_model_files(model: str = "full") -> list[Path]:
 
 def blazeface_weight_files(model: str = "full") -> list[Path]:
     """Every file whose bytes decide ``BlazeFace``'s output (for a cache's fingerprint): the
-    MediaPipe graph and model, and MTCNN's three ONNX files (O-Net places the points)."""
+    MediaPipe graph and model, and MTCNN's ONNX files (R-Net screens, O-Net places the points)."""
     return blazeface_model_files(model) + list(mtcnn_weight_files().values())
 
 
@@ -113,8 +113,8 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 def _graph(model: str, score_threshold: float, threads: int) -> Any:
     """MediaPipe's face-detection graph for ``model``, with its score threshold and TFLite thread
-    count set on the nodes themselves: the packaged graph fixes the threshold at 0.6 (full) or
-    0.5 (short) whatever ``min_detection_confidence`` says, and leaves XNNPACK's threads to the
+    count set on the nodes themselves: the packaged graph never goes below 0.6 (full) or 0.5
+    (short), whatever ``min_detection_confidence`` says, and leaves XNNPACK's threads to the
     library; its executor gets one thread (the graph runs one image at a time)."""
     from mediapipe.calculators.tensor import inference_calculator_pb2, tensors_to_detections_calculator_pb2
     from mediapipe.framework import calculator_pb2
