@@ -12,7 +12,7 @@ from skimage import data
 from precache.faces import blazeface
 from precache.faces.blazeface import BlazeFace
 from precache.faces.mtcnn import MTCNN
-from tests.precache.processing.ops.test_faces import ASTRONAUT_FACE, group_photo, hopper, iou
+from tests.face_photos import ASTRONAUT_FACE, group_photo, hopper, iou
 
 # Largest distance of a BlazeFace point from MTCNN's on the same face, as a fraction of MTCNN's
 # box side: about the 95th percentile over the 405 faces of 300 sample photos at 640 px

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import cv2
-import matplotlib.cbook
 import numpy as np
 import pytest
 from PIL import Image
@@ -21,36 +20,12 @@ from precache.faces import mtcnn
 from precache.faces.mtcnn import MTCNN
 from precache.processing.ops.face_detect import DetectFaces
 from precache.processing.ops.face_mesh import FaceMesh, FaceRegions
+from tests.face_photos import ASTRONAUT_FACE, HOPPER, HOPPER_FACE, group_photo, hopper, iou
 from tests.helpers import build_cache
-
-HOPPER = Path(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
-# Face boxes read off the photos by eye (forehead to chin, cheek to cheek), x0, y0, x1, y1.
-ASTRONAUT_FACE = (180, 70, 262, 178)
-HOPPER_FACE = (175, 125, 350, 340)
-
-
-def iou(a: np.ndarray, b: tuple[float, ...]) -> float:
-    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = w * h
-    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
-
-
-def hopper() -> np.ndarray:
-    return np.asarray(Image.open(HOPPER).convert("RGB"))
-
 
 @pytest.fixture(scope="module")
 def detector() -> MTCNN:
     return MTCNN()
-
-
-def group_photo() -> np.ndarray:
-    """Two faces pasted on the coffee photo, side by side."""
-    canvas = cv2.resize(data.coffee(), (800, 400))
-    canvas[40:340, 30:330] = cv2.resize(data.astronaut()[20:240, 110:330], (300, 300))
-    canvas[60:360, 450:750] = cv2.resize(hopper()[80:380, 110:410], (300, 300))
-    return canvas
 
 
 @pytest.mark.parametrize("photo, truth", [(data.astronaut, ASTRONAUT_FACE), (hopper, HOPPER_FACE)])
