@@ -43,11 +43,13 @@ def _known(transform: Any) -> str | None:
     return None
 
 
-def native_steps(transforms: list[Any], start: int) -> int:
-    """How many transforms from ``start`` on precache runs itself (the known ones, in a row)."""
+def native_steps(transforms: list[Any], start: int, tensors: set[str] | frozenset[str]) -> int:
+    """How many transforms from ``start`` on precache runs itself: the known ones, in a row,
+    whose keys are all tensors of the cached sample (``tensors``: MONAI would turn anything
+    else into a tensor first)."""
     count = 0
     for t in transforms[start:]:
-        if _known(t) is None:
+        if _known(t) is None or not set(getattr(t, "keys", ())) <= set(tensors):
             break
         count += 1
     return count
@@ -125,12 +127,12 @@ class PlainTail:
 
     def __init__(self, restore: Any, chain: Any, start: int) -> None:
         self.restore, self.chain, self.start = restore, chain, start
-        # a lazy Compose resamples its pending crops and flips at once: MONAI's way, not ours
-        lazy = getattr(chain, "lazy", False)
-        self.native = 0 if lazy else native_steps(list(chain.transforms), start)
         columns = restore.layout["columns"]
         self._tensors = {tuple(s["path"])[0] for s in columns.values()
                          if s["type"] == "tensor" and len(s["path"]) == 1}
+        # a lazy Compose resamples its pending crops and flips at once: MONAI's way, not ours
+        lazy = getattr(chain, "lazy", False)
+        self.native = 0 if lazy else native_steps(list(chain.transforms), start, self._tensors)
         self._seeded: tuple[int, int] | None = None
 
     def _seed(self) -> None:
