@@ -61,6 +61,8 @@ class VideoFaces(Op):
         min_face, thresholds, detect_size: as ``DetectFaces``.
         device: where MTCNN runs, as ``DetectFaces`` (``auto``, ``cpu``, ``cuda``); like there,
             not in ``params``: every device gives the same tracks and boxes within 1 px.
+        detector: ``mtcnn`` or ``blazeface``, as ``DetectFaces`` (the frames between full
+            detections are followed by O-Net either way).
         size, margin: as ``CropFace``.
         decode_timeout_s: a video whose decoding takes longer fails alone (the time spent
             decoding; detection and cropping between frames are not counted).
@@ -75,7 +77,8 @@ class VideoFaces(Op):
                  track_box: str = "frame", min_iou: float = 0.3, min_face: int = 20,
                  thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7), detect_size: int = 640,
                  size: int = 224, margin: float = 0.3, decode_timeout_s: float = 120.0,
-                 max_pixels: int = 150_000_000, device: str = "auto") -> None:
+                 max_pixels: int = 150_000_000, device: str = "auto",
+                 detector: str = "mtcnn") -> None:
         if frames < 1 and every < 1 and fps <= 0:
             raise ValueError("sample with frames >= 1, every >= 1 or fps > 0")
         if every < 0 or fps < 0:
@@ -98,7 +101,7 @@ class VideoFaces(Op):
         self.min_iou = float(min_iou)
         self.decode_timeout_s, self.max_pixels = float(decode_timeout_s), int(max_pixels)
         self.detect = DetectFaces(min_face=min_face, thresholds=thresholds, keep="all",
-                                  detect_size=detect_size, device=device)
+                                  detect_size=detect_size, device=device, detector=detector)
         self.crop = CropFace(size=size, margin=margin)
 
     @property

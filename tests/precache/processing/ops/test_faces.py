@@ -82,6 +82,25 @@ def test_a_batch_of_photos_of_several_sizes_gives_each_photo_its_own_faces():
     assert not op.device_stage  # on the CPU every worker detects its own photos
 
 
+def test_blazeface_is_a_detector_choice_with_its_own_fingerprint():
+    mtcnn, blaze = DetectFaces(keep="all"), DetectFaces(keep="all", detector="blazeface")
+    assert "detector" not in mtcnn.params  # caches made before the choice keep their fingerprint
+    assert blaze.params == {**mtcnn.params, "detector": "blazeface"}
+    assert blaze.describe()["weights"].keys() != mtcnn.describe()["weights"].keys()
+    assert not blaze.device_stage
+    found = blaze.call_batch([{"key": "g", "image": group_photo()},
+                              {"key": "c", "image": data.coffee()}])
+    assert isinstance(found[1], precache.Skip)
+    expected = mtcnn({"key": "g", "image": group_photo()})
+    assert len(found[0]) == len(expected) == 2
+    for face in found[0]:  # the same faces as MTCNN's, with O-Net's box and points
+        assert max(iou(face["box"], tuple(e["box"])) for e in expected) > 0.8
+    with pytest.raises(ValueError, match="detector must be mtcnn or blazeface"):
+        DetectFaces(detector="yolo")
+    with pytest.raises(ValueError, match="CPU only"):
+        DetectFaces(detector="blazeface", device="cuda")
+
+
 def test_a_large_photo_is_detected_on_a_shrunk_copy_in_source_pixels():
     big = cv2.resize(data.astronaut(), (2048, 2048), interpolation=cv2.INTER_LINEAR)
     op = DetectFaces(detect_size=512)
