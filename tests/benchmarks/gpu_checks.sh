@@ -6,6 +6,12 @@
 #
 #   bash tests/benchmarks/gpu_checks.sh prepare     # here: caches and wheels into .gpu/
 #   bash tests/benchmarks/gpu_checks.sh run OUT     # there, from the repository's root
+#   bash tests/benchmarks/gpu_checks.sh stage1 OUT  # there: issue 40's checks (~3 minutes)
+#
+# `stage1` (needs only `prepare`'s wheels and the repository): the torch MTCNN's CUDA test,
+# bench_mtcnn.py --cuda (photos/s batched on the GPU against OpenCV on one core, same run), and
+# the faces pipeline with device=cuda on the sample photos, whose summary gives the device
+# stage's busy share (goal >= 80%) and photos/s (goal >= 300 at 640x480).
 #
 # `prepare` needs the dev install (.venv): it builds a text cache of data/make_corpus.py's
 # corpus and a video-faces cache (JPEG crops) of data/make_videos.py's videos, copies MiniLM's
@@ -86,6 +92,24 @@ EOF
             --epochs 6 --precision fp16 --workers 4 --worker-kind "$kind" --timeline-every 5
     done
     rm -rf "$W"
+}
+
+stage1() {
+    OUT=$1
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+    nvidia-smi -L; nproc
+    echo "== torch MTCNN on CUDA"
+    timeout 120 python -m pytest -q -o addopts="" -p no:cacheprovider \
+        tests/precache/faces/test_mtcnn_torch.py 2>&1 | tail -3
+    echo "== bench_mtcnn --cuda"
+    timeout 200 python tests/benchmarks/bench_mtcnn.py --photos 128 --frames 64 --repeat 2 \
+        --cuda >"$OUT/bench_mtcnn.log" 2>&1; tail -20 "$OUT/bench_mtcnn.log"
+    echo "== faces with device=cuda (the device stage), $(nproc) workers"
+    python data/make_samples.py --count 600 --output /tmp/samples >/dev/null
+    timeout 200 python -m precache run faces -i /tmp/samples -o /tmp/facescache \
+        --set device=cuda --set detect_size=640 -j "$(nproc)" 2>&1 | tail -6 | tee "$OUT/faces_cuda.log"
 }
 
 "$@"
