@@ -56,10 +56,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
-from precache.faces.mtcnn import MTCNN, mtcnn_weight_files
+from precache.faces.mtcnn import MTCNN, _crops, _square, mtcnn_weight_files
 
 __all__ = ["BlazeFace", "blazeface_model_files", "blazeface_weight_files"]
 
@@ -177,27 +176,6 @@ def _nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
-def _square_boxes(boxes: np.ndarray) -> np.ndarray:
-    """Boxes grown to squares around the same centre, corners truncated to integers: the boxes
-    MTCNN's R-Net and O-Net see (``MTCNN.refine`` squares its boxes the same way)."""
-    side = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
-    x0 = boxes[:, 0] + (boxes[:, 2] - boxes[:, 0] - side) / 2
-    y0 = boxes[:, 1] + (boxes[:, 3] - boxes[:, 1] - side) / 2
-    return np.fix(np.stack([x0, y0, x0 + side, y0 + side], axis=1))
-
-
-def _crop(image: np.ndarray, box: np.ndarray, size: int) -> np.ndarray:
-    """``box`` (inclusive 1-based corners, as MTCNN's crops), zero-padded where it leaves the
-    image, resized to size x size."""
-    height, width = image.shape[:2]
-    x0, y0, x1, y1 = (int(v) for v in box)
-    patch = np.zeros((y1 - y0 + 1, x1 - x0 + 1, 3), dtype=np.uint8)
-    sx0, sy0, sx1, sy1 = max(x0 - 1, 0), max(y0 - 1, 0), min(x1, width), min(y1, height)
-    if sx1 > sx0 and sy1 > sy0:
-        patch[sy0 - y0 + 1:sy1 - y0 + 1, sx0 - x0 + 1:sx1 - x0 + 1] = image[sy0:sy1, sx0:sx1]
-    return cv2.resize(patch, (size, size), interpolation=cv2.INTER_AREA)
-
-
 class BlazeFace:
     """Faces with BlazeFace, checked and placed by O-Net; the interface of ``MTCNN``: ``detect``
     and ``detect_batch`` give ``(boxes (N, 4) x0, y0, x1, y1, scores (N,), landmarks (N, 5, 2))``
@@ -229,9 +207,7 @@ class BlazeFace:
         self.thresholds = (float(thresholds[0]), float(thresholds[1]), float(thresholds[2]))
         self.model = model
         self.tile = int(tile)
-        self.onet = MTCNN(min_face)
-        cv2.setNumThreads(1)
-        self.rnet = cv2.dnn.readNetFromONNX(str(mtcnn_weight_files()["rnet"]))
+        self.onet = MTCNN(min_face)  # its R-Net screens, its O-Net judges
         with _native_stderr_silenced():
             self.graph = _graph(model, self.thresholds[0], threads)
             self.graph.process({"image": np.zeros((64, 64, 3), np.uint8)})
@@ -266,12 +242,7 @@ class BlazeFace:
         background BlazeFace proposes at a low threshold never reaches O-Net."""
         if not len(boxes):
             return np.empty(0, np.float32)
-        crops = np.stack([_crop(image, box, 24) for box in _square_boxes(boxes)])
-        # The networks were trained on transposed images: (N, width, height, 3), as in mtcnn.py.
-        batch = ((crops.astype(np.float32) - 127.5) * 0.0078125).transpose(0, 2, 1, 3)
-        self.rnet.setInput(np.ascontiguousarray(batch))
-        outputs = self.rnet.forward(self.rnet.getUnconnectedOutLayersNames())
-        probs = next(out for out in outputs if out.shape[-1] == 2)  # the other: 4 box offsets
+        _, probs = self.onet._forward("rnet", _crops(image, np.fix(_square(boxes)), 24))
         return probs[:, 1]
 
     def detect_batch(self, images: list[np.ndarray]
