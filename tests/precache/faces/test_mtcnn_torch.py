@@ -10,11 +10,9 @@ import subprocess
 import sys
 
 import cv2
-import matplotlib.cbook
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from skimage import data
 
 from precache.faces.mtcnn import MTCNN, _level, _nms, _nms_loop, mtcnn_weight_files
@@ -22,23 +20,10 @@ from precache.faces.mtcnn_torch import TorchMTCNN, _device_level, torch_nets
 from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
 from precache.processing.ops.video_faces import VideoFaces
 from precache.processing.pipeline import PipelineError, load_pipeline
+from tests.face_photos import group_photo, hopper
 from tests.helpers import REPO, load_script
 
 PIXEL = 1.0  # boxes and points agree within 1 px
-
-
-def hopper() -> np.ndarray:
-    """matplotlib's Grace Hopper portrait."""
-    path = matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)
-    return np.asarray(Image.open(path).convert("RGB"))
-
-
-def group_photo() -> np.ndarray:
-    """Two faces pasted on the coffee photo, side by side."""
-    canvas = cv2.resize(data.coffee(), (800, 400))
-    canvas[40:340, 30:330] = cv2.resize(data.astronaut()[20:240, 110:330], (300, 300))
-    canvas[60:360, 450:750] = cv2.resize(hopper()[80:380, 110:410], (300, 300))
-    return canvas
 
 
 def sample_pictures(count: int) -> dict[str, np.ndarray]:
