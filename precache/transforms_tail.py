@@ -13,7 +13,6 @@ not know, the rest of the chain runs through MONAI with ``track_meta`` off.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,12 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from precache.bring_your_own import _META, RandomTail
+
 __all__ = ["PlainTail", "native_steps"]
 
 _CROPS = ("RandSpatialCropd", "RandScaleCropd")
 _FLIPS = ("RandFlipd",)
-_SKIP = frozenset({"__meta__"})
-"""The cached sample's affines (``bring_your_own._META``): plain tensors carry none."""
+_SKIP = frozenset({_META})
+"""The cached sample's affines: plain tensors carry none."""
 
 
 def _known(transform: Any) -> str | None:
@@ -119,28 +120,22 @@ def _tensor(value: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(value, order="C"))
 
 
-class PlainTail:
+class PlainTail(RandomTail):
     """A ``cache_transforms`` dataset's transform with ``track_meta=False``: the cached row,
     the random tail (see the module), the sample as MONAI's tail under ``set_track_meta(False)``
-    returns it: plain tensors, no ``__meta__``. Seeds the chain per DataLoader worker as
-    ``RandomTail`` does, so a seed gives the same crops and flips as the MetaTensor tail."""
+    returns it: plain tensors, no ``__meta__``. Seeds the chain per DataLoader worker with
+    ``RandomTail``'s own ``_seed``, so a seed gives the same crops and flips as the MetaTensor
+    tail."""
 
     def __init__(self, restore: Any, chain: Any, start: int) -> None:
-        self.restore, self.chain, self.start = restore, chain, start
+        super().__init__("monai", chain, start)
+        self.restore = restore
         columns = restore.layout["columns"]
         self._tensors = {tuple(s["path"])[0] for s in columns.values()
                          if s["type"] == "tensor" and len(s["path"]) == 1}
         # a lazy Compose resamples its pending crops and flips at once: MONAI's way, not ours
         lazy = getattr(chain, "lazy", False)
         self.native = 0 if lazy else native_steps(list(chain.transforms), start, self._tensors)
-        self._seeded: tuple[int, int] | None = None
-
-    def _seed(self) -> None:
-        info = torch.utils.data.get_worker_info()
-        if info is None or self._seeded == (os.getpid(), info.seed):
-            return
-        self._seeded = (os.getpid(), info.seed)
-        self.chain.set_random_state(seed=info.seed % (2 ** 32))
 
     def __call__(self, row: dict[str, Any]) -> Any:
         self._seed()
