@@ -68,10 +68,7 @@ class RestoreSample:
         if kind in ("dict", "tuple", "list"):
             return self._build(tree, row)
         name = self._name(body)
-        spec, array = self._columns[name], np.asarray(row[name])
-        if spec["store"] == "ragged_nd":
-            array = array.reshape(tuple(int(d) for d in row[name + "#shape"]))
-        return array
+        return _stored_array(self._columns[name], row[name], row.get(name + "#shape"))
 
     def _name(self, path: list[str]) -> str:
         names = getattr(self, "_by_path", None)
@@ -80,13 +77,19 @@ class RestoreSample:
         return names[tuple(path)]
 
 
+def _stored_array(spec: dict[str, Any], value: Any, shape: Any) -> np.ndarray:
+    """A tensor or array column's stored value in its shape: a view of the row (no copy)."""
+    array = np.asarray(value)
+    if spec["store"] == "ragged_nd":
+        array = array.reshape(tuple(int(d) for d in shape))
+    return array
+
+
 def _value(spec: dict[str, Any], value: Any, shape: Any) -> Any:
     """One stored value as the dataset returned it."""
     kind = spec["type"]
     if kind in ("tensor", "ndarray"):
-        array = np.asarray(value)
-        if spec["store"] == "ragged_nd":
-            array = array.reshape(tuple(int(d) for d in shape))
+        array = _stored_array(spec, value, shape)
         if kind == "ndarray":
             return np.array(array)  # its own memory, writable, as the dataset's was
         return torch.from_numpy(np.array(array))
