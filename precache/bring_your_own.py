@@ -664,11 +664,13 @@ def cache_transforms(
     if options.get("shard_rows") is None:
         options["shard_rows"] = _task_rows(len(items), workers)
     keys = _item_keys(items)
-    cached = cache_dataset(
-        dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),
-        version=transforms_version(chain, load) if version is None else str(version),
-        workers=workers, **options)
-    dataset.computed.clear()  # the probed samples not handed to a worker (kept, or workers > 1)
+    try:
+        cached = cache_dataset(
+            dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),
+            version=transforms_version(chain, load) if version is None else str(version),
+            workers=workers, **options)
+    finally:  # the probed samples not handed to a worker (kept, or workers > 1), a failed run's
+        dataset.computed.clear()  # too (this process's stage-1 ops still hold the dataset)
     restore = cached.transform
     assert isinstance(restore, RestoreSample)
     if track_meta:
