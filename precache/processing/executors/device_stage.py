@@ -157,6 +157,9 @@ class DeviceStage:
 
     def __init__(self, context: Any, config: Any, workers: int) -> None:
         self.requests = context.Queue(maxsize=max(1, workers))
+        # a request of this process (worker 0) still in the pipe when the device worker dies
+        # must not block this process's exit (the pipe has no reader left)
+        self.requests.cancel_join_thread()
         self.responses = [context.Queue() for _ in range(workers)]
         self.stats = context.Array("d", 5)
         self.process = context.Process(
