@@ -163,9 +163,10 @@ class Cascade:
     """The three-stage cascade, whatever runs its networks. ``detect(rgb)`` returns boxes (N, 4)
     as x0, y0, x1, y1 in image pixels, scores (N,) and landmarks (N, 5, 2), best score first.
 
-    An engine implements ``_pnet`` (P-Net over same-sized pyramid levels of several images) and
-    ``_forward`` (R-Net or O-Net over upright uint8 patches); everything else (pyramid, NMS, box
-    regression, patches) is this class's, in NumPy, so both engines make the same decisions.
+    An engine implements ``_pyramids`` (P-Net over each image's pyramid levels, ``_scales`` and
+    ``_level``) and ``_forward`` (R-Net or O-Net over upright uint8 patches); everything else
+    (scales, NMS, box regression, patches) is this class's, in NumPy, so both engines make the
+    same decisions.
 
     Args:
         min_face: smallest face side in pixels to look for (sets the pyramid's first scale).
@@ -180,25 +181,15 @@ class Cascade:
         self.scale_factor = scale_factor
 
     # -- engine hooks ---------------------------------------------------------------------------
-    def _pnet(self, levels: np.ndarray) -> list[Proposals]:
-        """P-Net over ``levels`` (B, h, w, 3) uint8: each level's cells scoring at least
-        ``thresholds[0]``."""
+    def _pyramids(self, images: list[np.ndarray]) -> list[list[Proposals]]:
+        """P-Net over every image's pyramid: for each image, each level's (``_scales``) cells
+        scoring at least ``thresholds[0]``."""
         raise NotImplementedError
 
     def _forward(self, name: str, crops: np.ndarray) -> list[np.ndarray]:
         """R-Net (``rnet``: offsets, probs) or O-Net (``onet``: offsets, points, probs) over
         ``crops`` (N, size, size, 3) uint8, N >= 1."""
         raise NotImplementedError
-
-    def _pyramids(self, images: list[np.ndarray]) -> list[list[Proposals]]:
-        """Every image's proposals, level by level (one P-Net call per image and level here;
-        engines that batch override this)."""
-        out = []
-        for image in images:
-            height, width = image.shape[:2]
-            out.append([self._pnet(_level(image, scale)[None])[0]
-                        for scale in self._scales(height, width)])
-        return out
 
     # -- the cascade ----------------------------------------------------------------------------
     def _scales(self, height: int, width: int) -> list[float]:
@@ -332,14 +323,16 @@ class MTCNN(Cascade):
         net.setInput(np.ascontiguousarray(batch))
         return list(net.forward(net.getUnconnectedOutLayersNames()))
 
-    def _pnet(self, levels: np.ndarray) -> list[Proposals]:
-        out = []
-        for level in levels:
-            offsets, probs = self._run("pnet", _normalise(level)[None].transpose(0, 2, 1, 3))
-            offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
-            rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
-            out.append((rows, cols, probs[rows, cols, 1], offsets[rows, cols]))
-        return out
+    def _pyramids(self, images: list[np.ndarray]) -> list[list[Proposals]]:
+        return [[self._pnet(_level(image, scale)) for scale in self._scales(*image.shape[:2])]
+                for image in images]
+
+    def _pnet(self, level: np.ndarray) -> Proposals:
+        """P-Net over one pyramid level (h, w, 3) uint8."""
+        offsets, probs = self._run("pnet", _normalise(level)[None].transpose(0, 2, 1, 3))
+        offsets, probs = offsets[0].transpose(1, 0, 2), probs[0].transpose(1, 0, 2)
+        rows, cols = np.nonzero(probs[:, :, 1] >= self.thresholds[0])
+        return rows, cols, probs[rows, cols, 1], offsets[rows, cols]
 
     def _forward(self, name: str, crops: np.ndarray) -> list[np.ndarray]:
         patches = _normalise(crops).transpose(0, 2, 1, 3)

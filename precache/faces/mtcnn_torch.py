@@ -340,10 +340,6 @@ class TorchMTCNN(Cascade):
                             out[k].append(proposals)
         return out
 
-    def _pnet(self, levels: np.ndarray) -> list[Proposals]:
-        with torch.inference_mode(), _full_float32():
-            return self._pnet_levels(self._upload(levels))
-
     def _pnet_levels(self, levels: torch.Tensor) -> list[Proposals]:
         """P-Net over (B, h, w, 3) pixel values on the device."""
         offsets, probs = self.nets["pnet"](self._normalised(levels))
