@@ -202,8 +202,16 @@ class ONetTorch(_PatchNet):
         super().__init__(layers, pools=(3, 3, 2), flat=(128, 3, 3), heads=(4, 10, 2))
 
 
+def torch_nets(device: str | torch.device = "cpu") -> dict[str, nn.Module]:
+    """P-, R- and O-Net in torch on ``device``, converted from the ONNX files once per process
+    (and moved once per device)."""
+    return _nets(str(torch.device(device)))
+
+
 @functools.lru_cache(maxsize=None)
-def _cpu_nets() -> dict[str, nn.Module]:
+def _nets(device: str) -> dict[str, nn.Module]:
+    if device != "cpu":
+        return {name: copy.deepcopy(net).to(device) for name, net in _nets("cpu").items()}
     files = mtcnn_weight_files()
     nets = {"pnet": PNetTorch(_onnx_blobs(str(files["pnet"]))),
             "rnet": RNetTorch(_onnx_blobs(str(files["rnet"]))),
@@ -211,20 +219,6 @@ def _cpu_nets() -> dict[str, nn.Module]:
     for net in nets.values():
         net.eval().requires_grad_(False)
     return nets
-
-
-_DEVICE_NETS: dict[str, dict[str, nn.Module]] = {}
-
-
-def torch_nets(device: str | torch.device = "cpu") -> dict[str, nn.Module]:
-    """P-, R- and O-Net in torch on ``device``, converted from the ONNX files once per process
-    (and moved once per device)."""
-    key = str(torch.device(device))
-    if key not in _DEVICE_NETS:
-        cpu = _cpu_nets()
-        _DEVICE_NETS[key] = cpu if key == "cpu" else {
-            name: copy.deepcopy(net).to(device) for name, net in cpu.items()}
-    return _DEVICE_NETS[key]
 
 
 PATCH_BATCH_CPU = 256
