@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from precache.faces.mtcnn import MTCNN  # noqa: E402
 from precache.faces.mtcnn_torch import TorchMTCNN  # noqa: E402
+from tests.face_photos import sample_pictures  # noqa: E402
 from tests.helpers import load_script  # noqa: E402
 
 BASELINE = "df506cf"
@@ -74,13 +75,7 @@ def load_baseline(commit: str) -> ModuleType:
 
 def pictures(count: int) -> list[np.ndarray]:
     """The first ``count`` pictures of ``data/make_samples.py``, at their own sizes."""
-    samples = load_script(ROOT / "data" / "make_samples.py", "make_samples")
-    faces, backgrounds = samples.load_photos()
-    makers = {"face": lambda rng: samples.make_face(faces, backgrounds, rng)[0],
-              "group": lambda rng: samples.make_group(faces, backgrounds, rng)[0],
-              "noface": lambda rng: samples.make_noface(backgrounds, rng)}
-    return [np.asarray(makers[kind](np.random.default_rng([0, i])))
-            for i, kind in enumerate(samples.kinds(max(count, 300))[:count])]
+    return list(sample_pictures(count).values())
 
 
 def frames(count: int) -> list[np.ndarray]:

@@ -20,22 +20,10 @@ from precache.faces.mtcnn_torch import TorchMTCNN, _device_level, torch_nets
 from precache.processing.ops.face_detect import DetectFaces, make_mtcnn
 from precache.processing.ops.video_faces import VideoFaces
 from precache.processing.pipeline import PipelineError, load_pipeline
-from tests.face_photos import group_photo, hopper
+from tests.face_photos import group_photo, hopper, sample_pictures
 from tests.helpers import REPO, load_script
 
 PIXEL = 1.0  # boxes and points agree within 1 px
-
-
-def sample_pictures(count: int) -> dict[str, np.ndarray]:
-    """The first ``count`` pictures ``data/make_samples.py`` makes (faces, groups, none), in
-    memory."""
-    samples = load_script(REPO / "data" / "make_samples.py", "make_samples")
-    faces, backgrounds = samples.load_photos()
-    makers = {"face": lambda rng: samples.make_face(faces, backgrounds, rng)[0],
-              "group": lambda rng: samples.make_group(faces, backgrounds, rng)[0],
-              "noface": lambda rng: samples.make_noface(backgrounds, rng)}
-    return {f"{kind}_{i + 1:04d}": np.asarray(makers[kind](np.random.default_rng([0, i])))
-            for i, kind in enumerate(samples.kinds(300)[:count])}
 
 
 def video_frames(count: int) -> list[np.ndarray]:
