@@ -62,6 +62,9 @@ def _child_main(config: WorkerConfig, tasks: Any, results: Any, parent_pid: int,
         except OSError as e:  # a full disk, a read-only file system: the run says it in one line
             results.put(("os_error", (e.errno, e.strerror, e.filename, str(e))))
             return
+        except WorkerDied as e:  # the device stage died: its line, as in the calling process
+            results.put(("error", str(e)))
+            return
         except Exception:  # noqa: BLE001 - a bug: the parent stops the run with the traceback
             results.put(("error", f"task {task.seq} failed:\n{traceback.format_exc()}"))
             return
@@ -147,20 +150,22 @@ def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterat
     context = multiprocessing.get_context("spawn")
     with threads_pinned():
         stage = DeviceStage(context, config, children + 1)
-        todo, results = context.Queue(), context.Queue()
-        todo.cancel_join_thread()
-        for task in (tasks if children == 0 else largest_first(tasks)):
-            todo.put(task)
-        for _ in range(children + 1):
-            todo.put(None)
         with _children_ignore_ctrl_c():
             stage.start()
+    try:  # this process sets up first, as without a stage: if that fails, no worker is left
+        with threads_pinned():
+            init_worker(config, stage.client(0))
+            todo, results = context.Queue(), context.Queue()
+            todo.cancel_join_thread()
+            for task in (tasks if children == 0 else largest_first(tasks)):
+                todo.put(task)
+            for _ in range(children + 1):
+                todo.put(None)
             procs = [context.Process(target=_child_main, daemon=True, args=(
                 config, todo, results, os.getpid(), stage.client(k + 1))) for k in range(children)]
-            for proc in procs:
-                proc.start()
-        init_worker(config, stage.client(0))
-    try:
+            with _children_ignore_ctrl_c():
+                for proc in procs:
+                    proc.start()
         for result in _collect(tasks, todo, results, procs, stage.died):
             result.device_stats = stage.snapshot()
             yield result
