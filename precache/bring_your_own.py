@@ -182,7 +182,8 @@ _STATE_ATTRS = frozenset({"R", *_RNG_ATTRS, "filenames"})
 files a MONAI reader read last (thread-local state is left out too)."""
 
 _META = "__meta__"
-"""The field of a cached MONAI sample holding each ``MetaTensor``'s affine (``__meta__.image``)."""
+"""The field of a cached MONAI sample holding each ``MetaTensor``'s affine and metadata
+(``__meta__.image.affine``, ``__meta__.image.filename_or_obj``...: ``_stored_meta``)."""
 
 
 def _module(obj: Any) -> str:
@@ -392,21 +393,61 @@ class RandomTail:
         return sample
 
 
+META_KEYS = ("original_affine", "spatial_shape", "space", "original_channel_dim",
+             "filename_or_obj")
+"""The ``MetaTensor`` metadata kept beside its affine (MONAI's ``MetaKeys`` that later
+transforms and savers read: where the volume came from, its shape and affine as loaded, its
+space and channel axis); the format's header fields (``pixdim``, ``srow_x``...) are not."""
+
+
+def _stored_meta(tensor: Any) -> dict[str, Any]:
+    """A ``MetaTensor``'s affine and ``META_KEYS`` as columns: arrays as float64 or int64
+    arrays, the rest as strings (``space`` is an enum; ``original_channel_dim`` an int,
+    ``"no_channel"`` or NaN), so every sample of a chain stores the same columns."""
+    found: dict[str, Any] = {"affine": torch.as_tensor(tensor.affine, dtype=torch.float64)}
+    for key in META_KEYS:
+        if key not in tensor.meta:
+            continue
+        value = tensor.meta[key]
+        if key == "original_affine":
+            found[key] = np.asarray(value, dtype=np.float64)
+        elif key == "spatial_shape":
+            found[key] = np.asarray(value, dtype=np.int64)
+        else:
+            found[key] = str(getattr(value, "value", value))
+    return found
+
+
+def _restored_meta(stored: Any) -> tuple[Any, dict[str, Any]]:
+    """``_stored_meta``'s columns back as ``(affine, meta)`` for ``MetaTensor``; a cache from
+    before the metadata was kept holds the affine alone."""
+    if not isinstance(stored, dict):
+        return stored, {}
+    meta = dict(stored)
+    affine = meta.pop("affine")
+    if "original_channel_dim" in meta:
+        dim = meta["original_channel_dim"]
+        meta["original_channel_dim"] = (int(dim) if dim.lstrip("-").isdigit()
+                                        else float(dim) if dim == "nan" else dim)
+    return affine, meta
+
+
 def _storable(sample: Any) -> Any:
-    """A MONAI sample (a dict) with each ``MetaTensor`` as a plain tensor and its affine under
-    ``__meta__`` (a ``MetaTensor`` elsewhere is stored as a plain tensor)."""
+    """A MONAI sample (a dict) with each ``MetaTensor`` as a plain tensor and its affine and
+    metadata (``_stored_meta``) under ``__meta__`` (a ``MetaTensor`` elsewhere is stored as a
+    plain tensor)."""
     if not isinstance(sample, dict):
         return sample
     out: dict[str, Any] = {}
-    affines: dict[str, Any] = {}
+    metas: dict[str, Any] = {}
     for k, v in sample.items():
         if hasattr(v, "as_tensor") and hasattr(v, "affine"):
             out[k] = v.as_tensor()
-            affines[k] = torch.as_tensor(v.affine, dtype=torch.float64)
+            metas[k] = _stored_meta(v)
         else:
             out[k] = v
-    if affines:
-        out[_META] = affines
+    if metas:
+        out[_META] = metas
     return out
 
 
@@ -483,7 +524,8 @@ def _is_main_process() -> bool:
 
 class TransformedSample:
     """A ``cache_transforms`` dataset's transform: the cached row back into the prefix's
-    output (``RestoreSample``, then each ``MetaTensor`` rebuilt with its affine), then the
+    output (``RestoreSample``, then each ``MetaTensor`` rebuilt with its affine and metadata),
+    then the
     random tail."""
 
     def __init__(self, restore: RestoreSample, tail: Callable[[Any], Any] | None) -> None:
@@ -494,9 +536,9 @@ class TransformedSample:
         if isinstance(sample, dict) and _META in sample:
             from monai.data import MetaTensor
 
-            affines = sample.pop(_META)
-            for k, affine in affines.items():
-                sample[k] = MetaTensor(sample[k], affine=affine)
+            for k, stored in sample.pop(_META).items():
+                affine, meta = _restored_meta(stored)
+                sample[k] = MetaTensor(sample[k], affine=affine, meta=meta)
         return sample if self.tail is None else self.tail(sample)
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from precache.bring_your_own import Chain, TransformedSample, cache_transforms, is_random
+from precache.bring_your_own import (META_KEYS, Chain, TransformedSample, cache_transforms,
+                                     is_random)
 from precache.loading import make_loader
 from tests.helpers import REPO, load_script, write_photos
 
@@ -116,6 +117,10 @@ def test_a_monai_chain_caches_what_cache_dataset_caches_and_runs_its_random_tail
             assert isinstance(ours[key], MetaTensor)
             assert torch.equal(ours[key].as_tensor(), expected[key].as_tensor())
             assert torch.equal(ours[key].affine, expected[key].affine.to(torch.float64))
+            for name in META_KEYS:  # and the metadata later transforms and savers read
+                got, want = ours[key].meta[name], expected[key].meta[name]
+                assert (np.array_equal(np.asarray(got), np.asarray(want))
+                        or (isinstance(want, float) and np.isnan(want) and np.isnan(got))), name
         for key in ("foreground_start_coord", "foreground_end_coord"):
             assert np.array_equal(ours[key], expected[key])
 
