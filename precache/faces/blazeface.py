@@ -48,17 +48,14 @@ worker that uses it (``DetectFaces.setup``).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from precache.faces.mtcnn import MTCNN, _crops, _square, mtcnn_weight_files
+from precache.faces.native_stderr import native_stderr_silenced
 
 __all__ = ["BlazeFace", "blazeface_model_files", "blazeface_weight_files"]
 
@@ -89,25 +86,6 @@ def blazeface_weight_files(model: str = "full") -> list[Path]:
     """Every file whose bytes decide ``BlazeFace``'s output (for a cache's fingerprint): the
     MediaPipe graph and model, and MTCNN's ONNX files (R-Net screens, O-Net places the points)."""
     return blazeface_model_files(model) + list(mtcnn_weight_files().values())
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """File descriptor 2 to /dev/null while MediaPipe starts: its C++ start-up log ("Created
-    TensorFlow Lite XNNPACK delegate") ignores every log-level setting and would print once per
-    worker into the progress bar. (The same as ``ops/face_mesh.py``'s; importing that one here
-    would import ``precache.processing.ops`` from ``precache.faces``, a cycle once DetectFaces
-    imports this module.)"""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def _graph(model: str, score_threshold: float, threads: int) -> Any:
@@ -208,7 +186,7 @@ class BlazeFace:
         self.model = model
         self.tile = int(tile)
         self.onet = MTCNN(min_face)  # its R-Net screens, its O-Net judges
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             self.graph = _graph(model, self.thresholds[0], threads)
             self.graph.process({"image": np.zeros((64, 64, 3), np.uint8)})
 

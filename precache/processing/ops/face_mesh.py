@@ -11,16 +11,13 @@ MediaPipe aborts inside forked children once a parent has used it, so the graph 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from precache.faces.native_stderr import native_stderr_silenced
 from precache.faces.topology import MESH_POINTS, region_hulls
 from precache.processing.ops.base import Op, Sample
 
@@ -42,23 +39,6 @@ def mediapipe_model_files() -> list[Path]:
         if all(path.is_file() for path in files):
             return files
     raise FileNotFoundError(f"MediaPipe's face-mesh model was not found; install it with: {INSTALL_HINT}")
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null: MediaPipe's C++ start-up logs ("Created TensorFlow
-    Lite XNNPACK delegate", feedback-tensor and NORM_RECT warnings) ignore every log-level setting
-    and would otherwise print once per worker into the progress bar."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 class FaceMesh(Op):
@@ -93,7 +73,7 @@ class FaceMesh(Op):
         mediapipe_model_files()  # a clear error before MediaPipe's own
         from mediapipe.python.solutions.face_mesh import FaceMesh as MediaPipeFaceMesh
 
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             self.graph = MediaPipeFaceMesh(static_image_mode=True, max_num_faces=2,
                                            refine_landmarks=False,
                                            min_detection_confidence=self.min_confidence)
@@ -105,7 +85,7 @@ class FaceMesh(Op):
         image = np.ascontiguousarray(sample["image"])
         height, width = image.shape[:2]
         if self._starting:
-            with _native_stderr_silenced():
+            with native_stderr_silenced():
                 found = self.graph.process(image).multi_face_landmarks or []
             self._starting = not found
         else:
