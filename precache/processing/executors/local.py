@@ -127,18 +127,26 @@ def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int,
                 yield run_task(task)
             return
         context = multiprocessing.get_context("spawn")  # native models and fork do not mix
-        todo, results = context.Queue(), context.Queue()
-        todo.cancel_join_thread()  # tasks left behind by an abandoned run must not block exit
-        for task in largest_first(tasks):
-            todo.put(task)
-        for _ in range(children + 1):
-            todo.put(None)  # one stop sign per worker, this process included
-        procs = [context.Process(target=_child_main, args=(config, todo, results, os.getpid()),
-                                 daemon=True) for _ in range(children)]
-        with _children_ignore_ctrl_c():
-            for proc in procs:
-                proc.start()
+        todo, results, procs = _start_children(context, tasks, config, [None] * children)
     yield from _collect(tasks, todo, results, procs)
+
+
+def _start_children(context: Any, tasks: list[Task], config: WorkerConfig,
+                    devices: list[Any]) -> tuple[Any, Any, list[Any]]:
+    """The task queue, the results queue and one started child per ``devices`` entry (its
+    ``DeviceClient``, or ``None``). Tasks go largest first where there are children."""
+    todo, results = context.Queue(), context.Queue()
+    todo.cancel_join_thread()  # tasks left behind by an abandoned run must not block exit
+    for task in (largest_first(tasks) if devices else tasks):
+        todo.put(task)
+    for _ in range(len(devices) + 1):
+        todo.put(None)  # one stop sign per worker, this process included
+    procs = [context.Process(target=_child_main, args=(config, todo, results, os.getpid(), device),
+                             daemon=True) for device in devices]
+    with _children_ignore_ctrl_c():
+        for proc in procs:
+            proc.start()
+    return todo, results, procs
 
 
 def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
@@ -155,17 +163,8 @@ def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterat
     try:  # this process sets up first, as without a stage: if that fails, no worker is left
         with threads_pinned():
             init_worker(config, stage.client(0))
-            todo, results = context.Queue(), context.Queue()
-            todo.cancel_join_thread()
-            for task in (tasks if children == 0 else largest_first(tasks)):
-                todo.put(task)
-            for _ in range(children + 1):
-                todo.put(None)
-            procs = [context.Process(target=_child_main, daemon=True, args=(
-                config, todo, results, os.getpid(), stage.client(k + 1))) for k in range(children)]
-            with _children_ignore_ctrl_c():
-                for proc in procs:
-                    proc.start()
+            todo, results, procs = _start_children(
+                context, tasks, config, [stage.client(k + 1) for k in range(children)])
         for result in _collect(tasks, todo, results, procs, stage.died):
             result.device_stats = stage.snapshot()
             yield result
