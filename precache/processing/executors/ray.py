@@ -39,8 +39,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, restored,
-                                                         run_batch, served_ops)
+from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, _without_data,
+                                                         restored, run_batch, served_ops)
 from precache.processing.executors.local import WorkerDied, largest_first
 from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 from precache.errors import RunError
@@ -166,9 +166,8 @@ class RayDeviceClient:
     def call(self, position: int, samples: list[dict[str, Any]]) -> list[Any]:
         import ray
 
-        sent = [{k: v for k, v in s.items() if k != "data"} for s in samples]
         try:
-            results = ray.get(self._actor.call.remote(position, sent))
+            results = ray.get(self._actor.call.remote(position, _without_data(samples)))
         except ray.exceptions.RayActorError as e:
             raise WorkerDied(f"a device actor died:\n{e}") from None
         return restored(results, samples)
