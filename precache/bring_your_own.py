@@ -140,7 +140,11 @@ def cache_dataset(
         workers: worker processes (default: the cores; 1 runs in this process).
         progress: show a progress bar.
         sample_hash: ``sample_hash(i)``, a content hash of sample ``i`` (say of its file): a
-            sample whose hash changed is computed again alone.
+            sample whose hash changed is computed again alone. Default: the dataset's own
+            ``sample_hash(i)`` if it has one, else the files a sample's entry names in the
+            dataset's list of samples (``data``, as MONAI's datasets; ``samples``, ``files``,
+            ``paths`` or ``imgs``, as torchvision's folders): their sizes and modification
+            times (``dataset_files_hash``); none if it has neither.
         ragged: fields stored with varying length even if the first samples agree (``a.b``
             for nested dicts, ``0`` for a tuple's first item).
         format, shard_rows, overwrite, fail_fast, log, retention_s, wait: as ``precache.run``.
@@ -157,6 +161,8 @@ def cache_dataset(
             repeat, or the run cannot go on.
         TypeError, ValueError: the samples hold values that cannot be stored.
     """
+    if sample_hash is None:
+        sample_hash = dataset_files_hash(dataset)
     summary = run_dataset(dataset, output, key=key, version=version, sample_hash=sample_hash,
                           ragged=ragged, workers=workers, format=format, shard_rows=shard_rows,
                           overwrite=overwrite, fail_fast=fail_fast, progress=progress, log=log,
@@ -625,6 +631,39 @@ def _file_hash(item: Any) -> str:
             continue
         parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+SAMPLE_LISTS = ("data", "samples", "files", "paths", "imgs")
+"""Attributes under which datasets keep one entry a sample that names its files: MONAI's
+``Dataset.data`` (dicts of paths), torchvision's ``ImageFolder.samples``/``imgs`` ((path,
+class) pairs), and the usual ``files``/``paths``."""
+
+
+def dataset_files_hash(dataset: Any) -> Callable[[int], str] | None:
+    """``cache_dataset``'s default ``sample_hash``: the dataset's own ``sample_hash``, or the
+    sizes and modification times of the files that sample ``i``'s entry in one of
+    ``SAMPLE_LISTS`` names (a list as long as the dataset whose first entry names an existing
+    file); ``None`` if the dataset has neither."""
+    own = getattr(dataset, "sample_hash", None)
+    if callable(own):
+        return own
+    for name in SAMPLE_LISTS:
+        entries = getattr(dataset, name, None)
+        if (isinstance(entries, Sequence) and not isinstance(entries, (str, bytes))
+                and len(entries) == len(dataset) and len(entries)
+                and any(os.path.isfile(p) for p in _paths(entries[0]))):
+            return _EntryFiles(entries)
+    return None
+
+
+class _EntryFiles:
+    """``sample_hash`` from a list of per-sample entries naming files (picklable)."""
+
+    def __init__(self, entries: Sequence[Any]) -> None:
+        self.entries = entries
+
+    def __call__(self, i: int) -> str:
+        return _file_hash(self.entries[i])
 
 
 def _task_rows(n: int, workers: int | None) -> int:

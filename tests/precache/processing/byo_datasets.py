@@ -103,3 +103,18 @@ def same(a: Any, b: Any) -> bool:
 def tuples() -> TupleDataset:
     """A Dataset factory, for ``precache run tests.precache.processing.byo_datasets:tuples``."""
     return TupleDataset(n=6)
+
+
+class FilesDataset:
+    """One sample a text file, named by ``files`` (as a folder dataset keeps its list): the
+    file's bytes as a uint8 tensor."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with open(self.files[i], "rb") as f:
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)

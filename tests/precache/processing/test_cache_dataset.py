@@ -8,14 +8,16 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import precache
-from precache.bring_your_own import cache_dataset
+from precache.bring_your_own import cache_dataset, dataset_files_hash
 from precache.loading import make_loader
 from precache.processing.dataset_source import PROBE
-from tests.precache.processing.byo_datasets import MixedDataset, TupleDataset, same
+from tests.precache.processing.byo_datasets import (FilesDataset, MixedDataset, TupleDataset,
+                                                     same)
 
 
 def _calls(log: Path) -> list[int]:
@@ -105,3 +107,24 @@ def test_precache_run_module_attr_caches_a_dataset_factory(tmp_path: Path, capsy
     assert precache.Cache(out).manifest.pipeline == "cache_dataset"
     assert main(["run", ref, "-i", str(tmp_path), "-o", str(out)]) == 2
     assert "is a Dataset factory: --input do not apply" in capsys.readouterr().err
+
+
+def test_a_rewritten_file_of_a_folder_dataset_recomputes_only_its_sample(tmp_path: Path) -> None:
+    files = []
+    for i in range(6):
+        files.append(str(tmp_path / f"{i}.txt"))
+        Path(files[-1]).write_text("x" * (i + 1))
+    out, messages = tmp_path / "cache", []
+    cache_dataset(FilesDataset(files), out, workers=1, progress=False, log=messages.append)
+    Path(files[3]).write_text("rewritten")
+    messages.clear()
+    again = cache_dataset(FilesDataset(files), out, workers=1, progress=False,
+                          log=messages.append)
+    assert any("5 unchanged, 1 to compute" in m for m in messages), messages
+    rows = {key: again[i] for i, key in enumerate(again.read_column("key"))}
+    assert bytes(rows["3"].numpy()) == b"rewritten" and bytes(rows["2"].numpy()) == b"xxx"
+    # MONAI's datasets keep their data list as `data`: its files name each sample
+    monai_data = pytest.importorskip("monai.data")
+    found = dataset_files_hash(monai_data.Dataset([{"image": f} for f in files]))
+    assert found is not None and found(3) != found(2)
+    assert dataset_files_hash(TupleDataset(3)) is None
