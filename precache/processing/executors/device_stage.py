@@ -23,7 +23,7 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from precache.processing.executors.local import WorkerDied, _die_with_parent
 from precache.processing.ops.base import Op, Sample, Skip
@@ -209,12 +209,18 @@ def _alive(pid: int) -> bool:
 
 class DeviceClient:
     """A worker's end: ``call(position, samples)`` runs op ``position`` of the pipeline in the
-    device worker on ``samples`` and returns its results as ``_call_op`` would."""
+    device worker on ``samples`` and returns its results as ``_call_op`` would.
+
+    ``watch``: in the calling process (worker 0), why another process the run needs is gone, if
+    it is (``None`` elsewhere): a worker killed while writing its request leaves the device
+    worker waiting for the rest of it, and this process, waiting here, is the one that would
+    notice the dead worker."""
 
     def __init__(self, worker: int, requests: Any, responses: Any, server_pid: int) -> None:
         self.worker, self._requests, self._responses = worker, requests, responses
         self._server_pid = server_pid
         self._next = 0
+        self.watch: Callable[[], str | None] | None = None
 
     def call(self, position: int, samples: list[Sample]) -> list[Any]:
         """Send the samples (without their raw ``data``, which the device op does not need and
@@ -229,8 +235,7 @@ class DeviceClient:
             try:
                 reply = self._responses.get(timeout=_POLL_S)
             except queue.Empty:
-                if not _alive(self._server_pid):
-                    raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+                self._raise_if_gone()
                 continue
             if reply[0] == "setup":
                 raise WorkerDied(f"the device stage could not set up its ops:\n{reply[1]}")
@@ -244,8 +249,15 @@ class DeviceClient:
                 self._requests.put(request, timeout=_POLL_S)
                 return
             except queue.Full:
-                if not _alive(self._server_pid):
-                    raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+                self._raise_if_gone()
+
+    def _raise_if_gone(self) -> None:
+        """Raises ``WorkerDied`` if the device worker (or, with ``watch``, another) is gone."""
+        if not _alive(self._server_pid):
+            raise WorkerDied(f"the device stage process {self._server_pid} died") from None
+        gone = self.watch() if self.watch is not None else None
+        if gone:
+            raise WorkerDied(gone) from None
 
 
 def _without_data(samples: list[Sample]) -> list[Sample]:

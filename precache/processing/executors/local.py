@@ -162,14 +162,22 @@ def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterat
             stage.start()
     try:  # this process sets up first, as without a stage: if that fails, no worker is left
         with threads_pinned():
-            init_worker(config, stage.client(0))
+            client = stage.client(0)
+            init_worker(config, client)
             todo, results, procs = _start_children(
                 context, tasks, config, [stage.client(k + 1) for k in range(children)])
+        client.watch = lambda: _died(procs)  # while this process waits for the device
         for result in _collect(tasks, todo, results, procs, stage.died):
             result.device_stats = stage.snapshot()
             yield result
     finally:
         stage.stop()
+
+
+def _died(procs: list[Any]) -> str | None:
+    """Which worker process died, if one did."""
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    return f"worker process {dead[0].pid} died with exit code {dead[0].exitcode}" if dead else None
 
 
 def _collect(tasks: list[Task], todo: Any, results: Any, procs: list[Any],
@@ -194,11 +202,7 @@ def _collect(tasks: list[Task], todo: Any, results: Any, procs: list[Any],
             try:
                 message = results.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise WorkerDied(f"worker process {dead[0].pid} died with exit code "
-                                     f"{dead[0].exitcode}") from None
-                gone = also_dead() if also_dead is not None else None
+                gone = _died(procs) or (also_dead() if also_dead is not None else None)
                 if gone:
                     raise WorkerDied(gone) from None
                 continue

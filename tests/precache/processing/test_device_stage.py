@@ -4,6 +4,7 @@ the same rows, records and resumption as when each worker runs them."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -64,3 +65,15 @@ def test_asking_for_a_device_stage_without_a_device_op_is_one_line(tmp_path: Pat
     with pytest.raises(ValueError, match="no op of this pipeline runs on a device"):
         precache.run("tests.counting_pipeline:pipeline", tmp_path / "in", tmp_path / "c",
                      device_stage=True, **QUIET)
+
+
+def test_the_calling_process_stops_waiting_for_the_device_when_a_worker_died() -> None:
+    # a worker killed while writing its request leaves the device reading the rest of it for
+    # ever: the calling process (worker 0), waiting for its own reply, must see the dead worker
+    from precache.processing.executors.device_stage import DeviceClient
+    from precache.processing.executors.local import WorkerDied
+
+    client = DeviceClient(0, queue.Queue(), queue.Queue(), os.getpid())  # a device that is alive
+    client.watch = lambda: "worker process 12 died with exit code -9"
+    with pytest.raises(WorkerDied, match="worker process 12 died"):
+        client.call(1, [{"key": "a", "data": b"a"}])
