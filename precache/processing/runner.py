@@ -35,6 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from precache.processing.executors import WorkerDied, require_ray, run_tasks, run_tasks_ray
+from precache.processing.executors.device_stage import device_ops
 from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
 from precache.processing.records import escape_name
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
@@ -206,7 +207,8 @@ def run(
     resolved = pipeline.resolve_params(params)
     built = pipeline.build_ops(resolved)
     descriptions = [op.describe() for op in built]
-    staged = _use_device_stage(device_stage, built)
+    on_device = device_ops(built)  # (an op's device_stage may ask torch for a GPU: once)
+    staged = _use_device_stage(device_stage, on_device)
     fp = fingerprint(descriptions, format)
     inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
@@ -229,7 +231,8 @@ def run(
                               cache_root=str(layout.root), cache_url=layout.url,
                               format=format, fingerprint=fp,
                               pipeline_name=pipeline.name, fail_fast=fail_fast,
-                              max_input_bytes=max_input_bytes)
+                              max_input_bytes=max_input_bytes,
+                              device_ops=tuple(on_device) if staged else ())
         results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address,
                                  device_stage=staged)
                    if executor == "ray" else run_tasks(tasks, config, workers, staged))
@@ -317,12 +320,12 @@ def summarize(layout: CacheLayout, manifest: Any, tx: WriteTransaction,
     )
 
 
-def _use_device_stage(asked: bool | None, ops: list[Any]) -> bool:
-    """Whether the run has a device stage (see ``run``'s ``device_stage``).
+def _use_device_stage(asked: bool | None, declared: list[int]) -> bool:
+    """Whether the run has a device stage (see ``run``'s ``device_stage``), given the
+    positions of the ops that declare one.
 
     Raises:
         ValueError: one was asked for where it cannot be."""
-    declared = [op.name for op in ops if getattr(op, "device_stage", False)]
     if asked and not declared:
         raise ValueError("device_stage=True, but no op of this pipeline runs on a device (an "
                          "op declares device_stage, e.g. detect_faces with device=cuda)")

@@ -57,6 +57,9 @@ class WorkerConfig:
     batch_size: int = 8
     cache_url: str | None = None
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    device_ops: tuple[int, ...] = ()
+    """Positions of the ops the run's device stage runs, where it has one: decided once by the
+    run (an op's ``device_stage`` may ask torch for a GPU), not by every worker."""
 
 
 @dataclass
@@ -90,7 +93,7 @@ _delegated: frozenset[int] = frozenset()  # positions of the ops the device stag
 
 def init_worker(config: WorkerConfig, device: Any = None) -> None:
     """Load the pipeline and set up its ops once in this process (models load here). With
-    ``device`` (a ``DeviceClient``), the ops that declare ``device_stage`` run in the device
+    ``device`` (a ``DeviceClient``), the ops at ``config.device_ops`` run in the device
     worker instead, and are not set up here."""
     global _ops, _config, _device, _delegated
     pin_threads()
@@ -99,8 +102,7 @@ def init_worker(config: WorkerConfig, device: Any = None) -> None:
     )
     _ops = pipeline.build_ops(config.params)
     _device = device
-    _delegated = frozenset(i for i, op in enumerate(_ops)
-                           if device is not None and getattr(op, "device_stage", False))
+    _delegated = frozenset(config.device_ops if device is not None else ())
     for i, op in enumerate(_ops):
         if i not in _delegated:
             op.setup()

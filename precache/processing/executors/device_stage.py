@@ -78,13 +78,14 @@ def _portable(result: Any) -> Any:
 
 
 def served_ops(config: Any) -> dict[int, Op]:
-    """The device ops of ``config``'s pipeline by position, set up (their models load here)."""
+    """The device ops of ``config``'s pipeline (``config.device_ops``) by position, set up
+    (their models load here)."""
     from precache.processing.pipeline import Pipeline, load_pipeline
 
     pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
         config.pipeline)
     ops = pipeline.build_ops(config.params)
-    served = {i: ops[i] for i in device_ops(ops)}
+    served = {i: ops[i] for i in config.device_ops}
     for op in served.values():
         op.setup()
     return served

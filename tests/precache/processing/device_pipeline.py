@@ -25,7 +25,16 @@ class OnDevice(Op):
     name = "on_device"
     version = "1"
     batched = True
-    device_stage = True
+
+    @property
+    def device_stage(self) -> bool:
+        """True; each process that asks is logged to ``$PRECACHE_DEVICE_ASKED`` (the run must
+        decide once: a real op's answer may mean asking torch for a GPU)."""
+        log = os.environ.get("PRECACHE_DEVICE_ASKED")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        return True
 
     def __init__(self, *, marker: str = "") -> None:
         self.marker = marker

@@ -16,8 +16,11 @@ import precache
 from tests.precache.processing.device_pipeline import PIPELINE, QUIET, make_inputs, rows_of
 
 
-def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(tmp_path: Path) -> None:
+def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = make_inputs(tmp_path / "in")
+    asked = tmp_path / "asked.log"
+    monkeypatch.setenv("PRECACHE_DEVICE_ASKED", str(asked))
     staged = precache.run(PIPELINE, inputs, tmp_path / "staged", workers=2, shard_rows=3,
                           **QUIET)
     plain = precache.run(PIPELINE, inputs, tmp_path / "plain", workers=2, shard_rows=3,
@@ -37,6 +40,8 @@ def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(tmp_path: P
         assert summary.failures[0]["message"] == "cannot take fail.txt"
         assert summary.failures[0]["stage"] == "on_device"
     assert staged.stages.device is not None and staged.stages.device.samples == 12
+    # only the run itself asked the op whether it runs on a device, not each worker
+    assert set(asked.read_text().split()) == {str(os.getpid())}
     assert "device stage busy" in staged.stages.describe()
     assert plain.stages.device is None
 
