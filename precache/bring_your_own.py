@@ -123,6 +123,8 @@ def cache_dataset(
     log: Any = print,
     retention_s: float = DEFAULT_RETENTION_S,
     wait: bool | float = False,
+    executor: str = "local",
+    ray_address: str | None = None,
     **dataset_options: Any,
 ) -> CachedDataset:
     """Cache ``dataset[i]`` for every index at ``output`` and return the cached dataset.
@@ -148,6 +150,9 @@ def cache_dataset(
         ragged: fields stored with varying length even if the first samples agree (``a.b``
             for nested dicts, ``0`` for a tuple's first item).
         format, shard_rows, overwrite, fail_fast, log, retention_s, wait: as ``precache.run``.
+        executor, ray_address: ``"ray"`` runs ``dataset[i]`` in Ray actors (the dataset
+            pickled to them), on a running cluster at ``ray_address`` or a local Ray, as
+            ``precache.run``; on several nodes ``output`` must be a folder every node sees.
         dataset_options: passed to ``CachedDataset`` (``max_decoded_bytes``, ``where`` ...).
 
     Returns:
@@ -166,7 +171,8 @@ def cache_dataset(
     summary = run_dataset(dataset, output, key=key, version=version, sample_hash=sample_hash,
                           ragged=ragged, workers=workers, format=format, shard_rows=shard_rows,
                           overwrite=overwrite, fail_fast=fail_fast, progress=progress, log=log,
-                          retention_s=retention_s, wait=wait)
+                          retention_s=retention_s, wait=wait, executor=executor,
+                          ray_address=ray_address)
     manifest = load_manifest(CacheLayout.for_output(output).store)
     layout = SampleLayout.from_json(manifest.ops[0]["params"]["layout"])
     return CachedDataset(os.fspath(summary.cache), columns=layout.stored_columns(),

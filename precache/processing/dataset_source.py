@@ -44,7 +44,7 @@ from precache.cache.reader import load_manifest
 from precache.cache.schema import ragged as as_ragged
 from precache.cache.transaction import WriteTransaction
 from precache.errors import RunError
-from precache.processing.executors import run_tasks
+from precache.processing.executors import require_ray, run_tasks, run_tasks_ray
 from precache.processing.ops.base import Op, Sample
 from precache.processing.pipeline import Pipeline, PipelineError
 from precache.processing.plan import DEFAULT_SHARD_ROWS, make_tasks
@@ -53,6 +53,7 @@ from precache.processing.runner import (RunSummary, _wait_seconds, commit_result
                                         stage1_workers, summarize)
 from precache.processing.sources import Input
 from precache.processing.worker import WorkerConfig
+from precache.storage import is_remote, local_path
 from precache.storage.hashing import hash_bytes
 
 __all__ = ["run_dataset", "GetItem", "SampleLayout", "PIPELINE_NAME", "PROBE", "RESERVED",
@@ -471,6 +472,8 @@ def run_dataset(
     log: Any = print,
     retention_s: float = DEFAULT_RETENTION_S,
     wait: bool | float = False,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> RunSummary:
     """Run ``dataset[i]`` for every index into the cache at ``output`` (see the module's
     docstring); ``precache.bring_your_own.cache_dataset`` returns the cached dataset.
@@ -484,8 +487,10 @@ def run_dataset(
             sample whose hash changed is computed again, alone.
         ragged: fields (``a.b`` for nested dicts, ``0`` for a tuple's first) stored with varying
             length even when the first samples agree.
-        workers, format, shard_rows, overwrite, fail_fast, progress, log, retention_s, wait:
-            as ``precache.run``.
+        workers, format, shard_rows, overwrite, fail_fast, progress, log, retention_s, wait,
+            executor, ray_address: as ``precache.run``. On Ray the dataset is pickled to the
+            actors, and the list of indices they read is written beside ``output`` (a local
+            or shared folder: every node must see it, as the shards).
 
     Raises:
         RunError: no sample could be read, the dataset cannot be pickled to the workers, keys
@@ -501,6 +506,11 @@ def run_dataset(
         seen: set[str] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise RunError(f"key() gives {dup!r} to more than one index; keys must be unique")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+    if executor == "ray":
+        require_ray(ray_address)  # before any work
+    ray_workers = None if workers is None else max(1, workers)  # None: the cluster's CPUs
     workers = stage1_workers() if workers is None else max(1, workers)
     described = dataset_fingerprint(dataset, version)
     wanted_ragged = sorted(set(ragged))
@@ -519,7 +529,7 @@ def run_dataset(
     if old is not None and old.fingerprint != fp and old_params is not None:
         log(f"precache: the dataset's fingerprint changed ({_why(old_params, params, old.format, format)}): "
             "every sample is computed again")
-    if workers > 1:
+    if workers > 1 or executor == "ray":
         try:
             pickle.dumps(dataset)
         except Exception as e:  # noqa: BLE001 - any pickling failure
@@ -527,24 +537,39 @@ def run_dataset(
                            f"processes ({type(e).__name__}: {e}); make it picklable (no open "
                            "files, lambdas or local classes), or pass workers=1") from None
     lines = _lines(keys, sample_hash)
-    with tempfile.TemporaryDirectory(prefix="precache-dataset-") as tmp:
+    beside = None if executor == "local" or is_remote(output) else _parent_folder(output)
+    with tempfile.TemporaryDirectory(prefix=".precache-dataset-", dir=beside) as tmp:
         records_file = Path(tmp) / "indices.jsonl"
         records_file.write_bytes(b"\n".join(lines))
         inputs, offset = [], 0
         for k, line in zip(keys, lines):
             inputs.append(Input(k, f"{records_file}#{offset}+{len(line)}", len(line), 0))
             offset += len(line) + 1
-        return _run(output, pipeline, descriptions, fp, inputs, lines, keys, workers,
+        executed = ((lambda tasks, config: run_tasks_ray(tasks, config, ray_workers,
+                                                         address=ray_address))
+                    if executor == "ray" else
+                    (lambda tasks, config: run_tasks(tasks, config, workers)))
+        return _run(output, pipeline, descriptions, fp, inputs, lines, keys, executed,
                     format, shard_rows, overwrite, fail_fast, progress, log, retention_s,
                     _wait_seconds(wait), described["class"], start)
 
 
+def _parent_folder(output: Any) -> str:
+    """The local folder ``output`` (a cache folder, maybe not made yet) is in, made if missing:
+    where Ray's actors, which may run on other nodes, find the run's list of indices."""
+    parent = local_path(output).resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return str(parent)
+
+
 def _run(output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
-         fp: str, inputs: list[Input], lines: list[bytes], keys: list[str], workers: int,
+         fp: str, inputs: list[Input], lines: list[bytes], keys: list[str],
+         executed: Callable[[list[Any], WorkerConfig], Any],
          format: str, shard_rows: int | None, overwrite: bool, fail_fast: bool, progress: bool,
          log: Any, retention_s: float, wait_s: float | None, source: str,
          start: float) -> RunSummary:
-    """The run itself, as ``precache.run`` does it for files (``runner.run``)."""
+    """The run itself, as ``precache.run`` does it for files (``runner.run``); ``executed(tasks,
+    config)`` runs the tasks (locally or on Ray) and yields their results."""
     index_of = {k: i for i, k in enumerate(keys)}
     locator = [f"dataset[{i}]" for i in range(len(keys))]
     hashes = [hash_bytes(line) for line in lines]
@@ -572,7 +597,7 @@ def _run(output: Any, pipeline: Pipeline, descriptions: list[dict[str, Any]],
                               cache_url=layout.url, format=format, fingerprint=fp,
                               pipeline_name=PIPELINE_NAME, fail_fast=fail_fast)
         stages = StageTimes()
-        written = commit_results(tx, run_tasks(tasks, config, workers), kept, len(todo),
+        written = commit_results(tx, executed(tasks, config), kept, len(todo),
                                  progress, again="call",
                                  locate=lambda key: locator[index_of[key]], stages=stages)
         touched, rewritten = tx.drop_stale_rows(kept, get_format(format),

@@ -353,3 +353,21 @@ def test_device_ops_run_in_a_device_actor_that_the_worker_actors_share(
     assert (on_ray.ok, on_ray.skipped, on_ray.failed) == (10, 1, 1)
     assert on_ray.failures[0]["error_type"] == "ValueError"
     assert on_ray.stages.device is not None and on_ray.stages.device.samples == 12
+
+
+@needs_ray
+def test_a_dataset_is_cached_by_ray_actors(cluster: Cluster, tmp_path: Path) -> None:
+    from precache.bring_your_own import cache_dataset
+    from tests.precache.processing.byo_datasets import MixedDataset, same
+
+    log = tmp_path / "calls.log"
+    dataset = MixedDataset(n=12, fail_at=5, log=str(log))
+    cached = cache_dataset(dataset, tmp_path / "cache", executor="ray", workers=2, shard_rows=3,
+                           progress=False, log=lambda *_: None)
+    expected = [dataset[i] for i in range(12) if i != 5]
+    assert len(cached) == 11 and all(same(cached[i], want) for i, want in enumerate(expected))
+    computed_in = {int(line.split()[1]) for line in log.read_text().splitlines()}
+    assert computed_in - {os.getpid()}  # in the actors (besides the probes here)
+    errors = Cache(tmp_path / "cache").read_errors().to_pylist()
+    assert [(e["key"], e["stage"]) for e in errors] == [("5", "getitem")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".precache-dataset-")]
