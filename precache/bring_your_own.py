@@ -172,11 +172,14 @@ def cache_dataset(
                           ragged=ragged, workers=workers, format=format, shard_rows=shard_rows,
                           overwrite=overwrite, fail_fast=fail_fast, progress=progress, log=log,
                           retention_s=retention_s, wait=wait, executor=executor,
-                          ray_address=ray_address)
+                          ray_address=ray_address, prepare=_storable)
     manifest = load_manifest(CacheLayout.for_output(output).store)
     layout = SampleLayout.from_json(manifest.ops[0]["params"]["layout"])
+    restore = RestoreSample(layout.to_json())
+    with_meta = any(spec["path"][0] == _META for spec in layout.columns.values())
     return CachedDataset(os.fspath(summary.cache), columns=layout.stored_columns(),
-                         transform=RestoreSample(layout.to_json()), **dataset_options)
+                         transform=TransformedSample(restore, None) if with_meta else restore,
+                         **dataset_options)
 
 
 # ---- a transform chain split at its first random step ---------------------------------------------
@@ -758,7 +761,7 @@ def cache_transforms(
             workers=workers, **options)
     finally:  # the probed samples not handed to a worker (kept, or workers > 1), a failed run's
         dataset.computed.clear()  # too (this process's stage-1 ops still hold the dataset)
-    restore = cached.transform
+    restore = getattr(cached.transform, "restore", cached.transform)
     assert isinstance(restore, RestoreSample)
     if track_meta:
         cached.transform = TransformedSample(restore, chain.tail())

@@ -294,8 +294,10 @@ class GetItem(Op):
     name = "getitem"
     version = "1"
 
-    def __init__(self, dataset: Any, layout: SampleLayout, params: dict[str, Any]) -> None:
+    def __init__(self, dataset: Any, layout: SampleLayout, params: dict[str, Any],
+                 prepare: Callable[[Any], Any] | None = None) -> None:
         self.dataset, self.layout, self._params = dataset, layout, params
+        self.prepare = prepare
 
     @property
     def params(self) -> dict[str, Any]:
@@ -303,18 +305,20 @@ class GetItem(Op):
 
     def __call__(self, sample: Sample) -> Sample:
         index = json.loads(sample["data"])["index"]
-        sample.update(self.layout.to_columns(self.dataset[index]))
+        value = self.dataset[index]
+        sample.update(self.layout.to_columns(value if self.prepare is None else self.prepare(value)))
         return sample
 
 
 class _DatasetOps:
     """``make_ops`` of the dataset's pipeline: pickled to each worker with the dataset in it."""
 
-    def __init__(self, dataset: Any, layout: SampleLayout, params: dict[str, Any]) -> None:
-        self.dataset, self.layout, self.params = dataset, layout, params
+    def __init__(self, dataset: Any, layout: SampleLayout, params: dict[str, Any],
+                 prepare: Callable[[Any], Any] | None = None) -> None:
+        self.dataset, self.layout, self.params, self.prepare = dataset, layout, params, prepare
 
     def __call__(self) -> list[Op]:
-        return [GetItem(self.dataset, self.layout, self.params)]
+        return [GetItem(self.dataset, self.layout, self.params, self.prepare)]
 
 
 # ---- the fingerprint -------------------------------------------------------------------------------
@@ -422,8 +426,9 @@ def _old_manifest(output: str | os.PathLike[str]) -> Manifest | None:
     return manifest if ok else None
 
 
-def _probe(dataset: Any, n: int) -> list[Any]:
-    """Up to ``PROBE`` samples spread over the dataset (the first that do not raise)."""
+def _probe(dataset: Any, n: int, prepare: Callable[[Any], Any] | None = None) -> list[Any]:
+    """Up to ``PROBE`` samples spread over the dataset (the first that do not raise), each
+    through ``prepare`` where given."""
     wanted = sorted({0, 1, n // 2, n - 1} & set(range(n)))[:PROBE]
     tried: list[int] = []
     found: list[Any] = []
@@ -433,7 +438,8 @@ def _probe(dataset: Any, n: int) -> list[Any]:
             continue
         tried.append(i)
         try:
-            found.append(dataset[i])
+            value = dataset[i]
+            found.append(value if prepare is None else prepare(value))
         except Exception as e:  # noqa: BLE001 - a bad sample: another one is probed
             last = (i, e)
     if not found:
@@ -474,6 +480,7 @@ def run_dataset(
     wait: bool | float = False,
     executor: str = "local",
     ray_address: str | None = None,
+    prepare: Callable[[Any], Any] | None = None,
 ) -> RunSummary:
     """Run ``dataset[i]`` for every index into the cache at ``output`` (see the module's
     docstring); ``precache.bring_your_own.cache_dataset`` returns the cached dataset.
@@ -491,6 +498,8 @@ def run_dataset(
             executor, ray_address: as ``precache.run``. On Ray the dataset is pickled to the
             actors, and the list of indices they read is written beside ``output`` (a local
             or shared folder: every node must see it, as the shards).
+        prepare: applied to each sample before it is stored (a module-level function: it is
+            pickled to the workers), e.g. ``MetaTensor``s into tensors and their metadata.
 
     Raises:
         RunError: no sample could be read, the dataset cannot be pickled to the workers, keys
@@ -520,9 +529,9 @@ def run_dataset(
             and old_params.get("ragged") == wanted_ragged):
         layout = SampleLayout.from_json(old_params["layout"])  # nothing to read to know it
     else:
-        layout = layout_of(_probe(dataset, n), wanted_ragged)
+        layout = layout_of(_probe(dataset, n, prepare), wanted_ragged)
     params = {"dataset": described, "ragged": wanted_ragged, "layout": layout.to_json()}
-    pipeline = Pipeline(PIPELINE_NAME, _DatasetOps(dataset, layout, params), ())
+    pipeline = Pipeline(PIPELINE_NAME, _DatasetOps(dataset, layout, params, prepare), ())
     descriptions = [op.describe() for op in pipeline.build_ops({})]
     fp = fingerprint(descriptions, format)
     get_format(format)

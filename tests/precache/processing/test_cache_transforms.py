@@ -210,3 +210,24 @@ def test_an_albumentations_chain_caches_resize_and_normalize_and_flips_per_epoch
     with pytest.raises(ValueError, match="first transform .HorizontalFlip. is random"):
         cache_transforms(items, A.Compose([A.HorizontalFlip(p=0.5), A.Resize(8, 8)]),
                          tmp_path / "other", workers=1, progress=False)
+
+
+def test_cache_dataset_over_a_monai_dataset_gives_its_metatensors_back(
+        tmp_path: Path, volumes: list[dict[str, str]]) -> None:
+    from monai.data import Dataset
+
+    from precache.bring_your_own import cache_dataset
+
+    T = monai_transforms
+    theirs = Dataset(volumes, T.Compose([T.LoadImaged(KEYS), T.EnsureChannelFirstd(KEYS)]))
+    cached = cache_dataset(theirs, tmp_path / "cache", workers=1, progress=False,
+                           log=lambda _: None, ragged=KEYS)
+    for i in range(len(volumes)):
+        ours, expected = cached[i], theirs[i]
+        for key in KEYS:  # MetaTensors back: values, affine and metadata
+            assert isinstance(ours[key], MetaTensor)
+            assert torch.equal(ours[key].as_tensor(), expected[key].as_tensor())
+            assert torch.equal(ours[key].affine, expected[key].affine.to(torch.float64))
+            assert ours[key].meta["filename_or_obj"] == expected[key].meta["filename_or_obj"]
+            assert np.array_equal(ours[key].meta["spatial_shape"],
+                                  expected[key].meta["spatial_shape"])
