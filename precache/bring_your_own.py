@@ -176,7 +176,7 @@ def cache_dataset(
     manifest = load_manifest(CacheLayout.for_output(output).store)
     layout = SampleLayout.from_json(manifest.ops[0]["params"]["layout"])
     restore = RestoreSample(layout.to_json())
-    with_meta = any(spec["path"][0] == _META for spec in layout.columns.values())
+    with_meta = any(spec["path"][:1] == [_META] for spec in layout.columns.values())
     return CachedDataset(os.fspath(summary.cache), columns=layout.stored_columns(),
                          transform=TransformedSample(restore, None) if with_meta else restore,
                          **dataset_options)
