@@ -63,6 +63,22 @@ carry-over reads ``source_key`` whole), and uncompressed with offsets they took 
 ~1 KB of token ids (7% of a token cache), compressed ~25 B. ``key``, which training reads to name
 a sample, keeps its offsets and is read in place."""
 
+ALIGNMENT = 64
+"""The byte boundary the values of each fixed-shape and scalar column start on in a shard
+stage 1 writes. Rows at any byte of a mapped file gathered at 0.77-0.83 of a NumPy memmap
+gather of the same rows, 64-byte aligned ones at 0.93-0.96 (12,000 128 px crops in 256-row
+shards, ``make_loader(num_workers=0)``; docs/performance.md). Parquet has no such option, so
+before each of those columns the writer puts a pad column (``PAD_PREFIX`` + its name: one
+dictionary-encoded value, repeated, whose length moves the next column's values onto the
+boundary; ~40 bytes plus the shift, read by nothing: precache reads by schema, and other tools
+see a binary column)."""
+
+PAD_PREFIX = "__pad__"
+
+_PAD_PASSES = 4
+"""Writes at most to settle the pads (a pad's length can change its page header's size by a
+byte, which shifts what follows; two passes settle it in practice)."""
+
 MAX_PAGE_BYTES = (1 << 31) - (1 << 20)
 """The most bytes of one column a shard writes as one page (a page's size is an int32 in the
 file; a little is kept for the page's own lengths and header)."""
@@ -488,6 +504,44 @@ class ParquetShardReader(ShardReader):
         self._file = None
 
 
+def _serialized(arrays: dict[str, pa.Array], pads: dict[str, int], rows: int,
+                metadata: dict[Any, Any], schema: dict[str, ColumnSpec], one_page: bool) -> pa.Buffer:
+    """The shard's bytes: ``arrays`` in order, each column of ``pads`` after a pad column of
+    that many bytes (``ALIGNMENT``)."""
+    columns: dict[str, pa.Array] = {}
+    for name, array in arrays.items():
+        if name in pads:
+            columns[PAD_PREFIX + name] = pa.array([b"\0" * pads[name]] * len(array), pa.binary())
+        columns[name] = array
+    fields = [pa.field(name, array.type, nullable=False) for name, array in columns.items()]
+    table = pa.Table.from_arrays(list(columns.values()), schema=pa.schema(fields,
+                                                                          metadata=metadata))
+    padded = [PAD_PREFIX + name for name in pads]
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression={name: "zstd" if name in BOOKKEEPING else "none" for name in columns},
+        use_dictionary=padded or False,  # a pad: one dictionary value, its rows ~1 byte in all
+        column_encoding={name: "PLAIN" for name in columns if name not in padded},
+        write_statistics=[n for n, s in schema.items() if s.kind == "scalar"],
+        row_group_size=rows,
+        # one page per column: its values are one run in the file; else pages of 1 MB,
+        # checked after every row (pyarrow checks a page's size between write batches)
+        **(dict(data_page_size=1 << 62, **_ONE_PAGE_ROWS(rows)) if one_page else
+           dict(write_batch_size=1)),
+    )
+    return sink.getvalue()
+
+
+def _misalignment(data: pa.Buffer, schema: dict[str, ColumnSpec],
+                  names: list[str]) -> dict[str, int]:
+    """How many bytes each column of ``names`` must move forward for its values to start on
+    ``ALIGNMENT`` in the shard ``data`` (0 for a column that is not mapped)."""
+    found = mapped_offsets(pq.ParquetFile(pa.BufferReader(data)), data, schema)
+    return {name: -found[name] % ALIGNMENT if name in found else 0 for name in names}
+
+
 class ParquetFormat(ShardFormat):
     """Parquet whose fixed-shape and scalar columns are ready to map (see the module docstring):
     required, uncompressed, PLAIN, no statistics for arrays, one page per column per shard.
@@ -511,8 +565,12 @@ class ParquetFormat(ShardFormat):
         return _FOOTER_BYTES + 8 * rows * (len(variable) - min(read) if read else 0)
 
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
-        """Raises:
-            ValueError: a column's name is taken by another column's offsets (``<name>__ends``).
+        """Write the shard: each fixed-shape and scalar column one page whose values start on
+        ``ALIGNMENT``, each variable-length one a page and its offsets (see the module).
+
+        Raises:
+            ValueError: a column's name is taken by another column's offsets (``<name>__ends``)
+                or alignment pad (``__pad__<name>``).
         """
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
         checksums = {}
@@ -524,13 +582,10 @@ class ParquetFormat(ShardFormat):
                 ends = row_ends(_value_sizes(arrays[name]))
                 checksums[name] = ends_checksum(ends)
                 arrays[ends_column(name)] = pa.array(ends)
-        fields = [pa.field(name, array.type, nullable=False) for name, array in arrays.items()]
         metadata = {SCHEMA_KEY: json.dumps(schema_to_json(schema), sort_keys=True)}
         if checksums:
             metadata[ENDS_CRC_KEY] = json.dumps(checksums, sort_keys=True)
-        table = pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(fields,
-                                                                             metadata=metadata))
-        rows = max(1, len(table))
+        rows = max(1, max((len(a) for a in arrays.values()), default=0))
         largest = max(((array.nbytes, name) for name, array in arrays.items()), default=(0, ""))
         one_page = largest[0] <= MAX_PAGE_BYTES
         if not one_page:
@@ -539,19 +594,23 @@ class ParquetFormat(ShardFormat):
                 f"more than one Parquet page can ({MAX_PAGE_BYTES:,}); the shard is written in "
                 "several pages and stage 2 decodes it instead of mapping it: pass a smaller "
                 "--shard-rows", stacklevel=2)
-        pq.write_table(
-            table,
-            path,
-            compression={name: "zstd" if name in BOOKKEEPING else "none" for name in arrays},
-            use_dictionary=False,
-            column_encoding="PLAIN",
-            write_statistics=[n for n, s in schema.items() if s.kind == "scalar"],
-            row_group_size=rows,
-            # one page per column: its values are one run in the file; else pages of 1 MB,
-            # checked after every row (pyarrow checks a page's size between write batches)
-            **(dict(data_page_size=1 << 62, **_ONE_PAGE_ROWS(rows)) if one_page else
-               dict(write_batch_size=1)),
-        )
+        aligned = [n for n, spec in schema.items() if spec.kind in MAPPED_KINDS] if one_page else []
+        taken = [n for n in aligned if PAD_PREFIX + n in arrays]
+        if taken:
+            raise ValueError(f"column {PAD_PREFIX + taken[0]!r} would take the place of column "
+                             f"{taken[0]!r}'s alignment pad; rename it")
+        pads = dict.fromkeys(aligned, 0)
+        for _ in range(_PAD_PASSES):
+            data = _serialized(arrays, pads, rows, metadata, schema, one_page)
+            shifts = _misalignment(data, schema, aligned)
+            if not any(shifts.values()):
+                break
+            carried = 0  # a pad grown before a column moves that column's values too
+            for name in aligned:
+                pads[name] = (pads[name] + shifts[name] - carried) % ALIGNMENT
+                carried += shifts[name] - carried
+        with open(path, "wb") as file:  # (one write: the file's pages, one after another)
+            file.write(memoryview(data))
 
     def open(self, path: str | os.PathLike[str], schema: dict[str, ColumnSpec]) -> ShardReader:
         return ParquetShardReader(path, schema)

@@ -87,18 +87,19 @@ def _resident_pages(path: Path) -> int:
 
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore is missing")
 def test_read_ahead_brings_the_rows_into_the_page_cache(cache):
-    dataset = CachedDataset(cache, columns=["image"])
     shard = precache.Cache(cache).shard_path(0)
-    reader = dataset._state.readers.get(0)
-    assert "image" in reader.mapped()
-    os.sync()
-    fd = os.open(shard, os.O_RDONLY)
+    gc.collect()
+    os.sync()  # dropped before it is mapped: a page cached in a large folio stays while any
+    fd = os.open(shard, os.O_RDONLY)  # page of the folio is mapped (the shard is written at once)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    dataset = CachedDataset(cache, columns=["image"])
+    reader = dataset._state.readers.get(0)
+    assert "image" in reader.mapped()  # (reads the pages of the column headers alone)
     column_pages = 16 * 64 * 64 * 3 // os.sysconf("SC_PAGE_SIZE")  # 16 rows of 64x64x3
-    assert _resident_pages(shard) < column_pages  # dropped (pages this process maps may stay)
+    assert _resident_pages(shard) < column_pages
     dataset.read_ahead(list(range(16)))  # every row of shard 0
     deadline = time.monotonic() + 30
     while _resident_pages(shard) < column_pages and time.monotonic() < deadline:
