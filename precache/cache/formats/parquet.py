@@ -6,8 +6,9 @@ batch of rows reads back as one contiguous buffer viewed as an ``(n, *shape)`` N
 
 **Ready to map.** Fixed-shape and scalar columns are written required (no null levels),
 uncompressed, PLAIN, and as one data page per shard. Their values are then one contiguous run
-of ``rows x width`` bytes at the end of the column chunk, and a reader maps the file and views
-that run as an ``(n, *shape)`` array: a batch is a gather from the page cache, with no decoding
+of ``rows x width`` bytes at the end of the column chunk, starting on 64 bytes (``ALIGNMENT``:
+a pad column before each), and a reader maps the file and views that run as an
+``(n, *shape)`` array: a batch is a gather from the page cache, with no decoding
 and no private copy, and every process on a node shares the same pages. The file is still
 ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets`` finds the runs from the
 footer and each page's header, and maps a column only when the header proves it is that single
