@@ -19,6 +19,7 @@ fill are shared through a small array, for the progress bar and the run's summar
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -124,7 +125,7 @@ def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
         return
     stats[_STARTED] = time.time()
     while (first := requests.get()) is not None:
-        batch, stop = [first], False
+        batch, stop = [_opened(first)], False
         while sum(len(r[3]) for r in batch) < MAX_BATCH:
             try:
                 request = requests.get_nowait()
@@ -133,11 +134,11 @@ def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
             if request is None:
                 stop = True
                 break
-            batch.append(request)
+            batch.append(_opened(request))
         started = time.perf_counter()
         replies = run_batch(served, [(r[2], r[3]) for r in batch])
         for (worker, request_id, _, _), results in zip(batch, replies):
-            responses[worker].put(("ok", request_id, results))
+            responses[worker].put(("ok", request_id, _packed(results)))
         with stats.get_lock():
             stats[_BUSY] += time.perf_counter() - started
             stats[_BATCHES] += 1
@@ -145,6 +146,33 @@ def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
             stats[_WAITING] += len(batch)
         if stop:
             break
+
+
+def _opened(request: tuple) -> tuple:
+    """A request as the worker sent it, its samples unpickled (``DeviceClient.call``)."""
+    worker, request_id, position, payload = request
+    return worker, request_id, position, pickle.loads(payload)
+
+
+def _packed(results: list[Any]) -> bytes:
+    """The results pickled here, not by the queue's feeder thread, which would drop a reply it
+    cannot pickle and leave its worker waiting for ever: a result that cannot be pickled fails
+    its sample instead, saying so."""
+    try:
+        return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - find the results that cannot be sent
+        return pickle.dumps([_sendable(r, "back to its worker") for r in results],
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _sendable(value: Any, where: str) -> Any:
+    """``value``, or an error result saying why it cannot be pickled and sent ``where``."""
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return value
+    except Exception as e:  # noqa: BLE001 - any pickling failure
+        return ("error", "PicklingError", f"this sample cannot be sent {where} from the device "
+                f"stage ({type(e).__name__}: {e}); return arrays, numbers and strings")
 
 
 class DeviceStage:
@@ -230,8 +258,16 @@ class DeviceClient:
         Raises:
             WorkerDied: the device worker died or could not set up its ops (the run stops;
                 a re-run resumes)."""
+        try:  # here, not by the queue's feeder thread, which would drop what it cannot pickle
+            payload = pickle.dumps(_without_data(samples), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - fail the samples that cannot be sent
+            if len(samples) > 1:
+                return [r for sample in samples for r in self.call(position, [sample])]
+            return [_remote_error("PicklingError", f"this sample cannot be sent to the device "
+                                  f"stage ({type(e).__name__}: {e}); give the device op arrays, "
+                                  "numbers and strings")]
         self._next += 1
-        self._put((self.worker, self._next, position, _without_data(samples)))
+        self._put((self.worker, self._next, position, payload))
         while True:
             try:
                 reply = self._responses.get(timeout=_POLL_S)
@@ -242,7 +278,7 @@ class DeviceClient:
                 raise WorkerDied(f"the device stage could not set up its ops:\n{reply[1]}")
             if reply[1] == self._next:
                 break
-        return restored(reply[2], samples)
+        return restored(pickle.loads(reply[2]), samples)
 
     def _put(self, request: tuple) -> None:
         while True:

@@ -54,6 +54,9 @@ class OnDevice(Op):
                 results.append(Skip("told to skip"))
             elif text.startswith("fail"):
                 results.append(ValueError(f"cannot take {sample['key']}"))
+            elif text.startswith("lambda"):  # a result that cannot be pickled back
+                results.append(dict(sample, device_pid=np.int64(os.getpid()),
+                                    value=np.float32(len(text)), fn=lambda: None))
             else:
                 results.append(dict(sample, device_pid=np.int64(os.getpid()),
                                     value=np.float32(len(text))))
@@ -73,7 +76,10 @@ class Decode(Op):
     version = "1"
 
     def __call__(self, sample: Sample) -> Sample:
-        return dict(sample, text=sample["data"].decode())
+        text = sample["data"].decode()
+        if text.startswith("unsendable"):  # a sample that cannot be pickled to the device
+            return dict(sample, text=text, fn=lambda: None)
+        return dict(sample, text=text)
 
 
 def make_ops(marker: str = "") -> list[Op]:

@@ -82,3 +82,18 @@ def test_the_calling_process_stops_waiting_for_the_device_when_a_worker_died() -
     client.watch = lambda: "worker process 12 died with exit code -9"
     with pytest.raises(WorkerDied, match="worker process 12 died"):
         client.call(1, [{"key": "a", "data": b"a"}])
+
+
+def test_a_value_that_cannot_be_pickled_fails_its_sample_not_the_run(tmp_path: Path) -> None:
+    inputs = make_inputs(tmp_path / "in")
+    (inputs / "to.txt").write_text("unsendable")
+    (inputs / "back.txt").write_text("lambda")
+    summary = precache.run(PIPELINE, inputs, tmp_path / "cache", workers=2, shard_rows=4,
+                           **QUIET)
+    assert (summary.ok, summary.skipped, summary.failed) == (10, 1, 3)
+    failed = {r["key"]: r for r in summary.failures}
+    for key, where in (("to.txt", "to the device stage"), ("back.txt", "back to its worker")):
+        assert failed[key]["error_type"] == "PicklingError" and failed[key]["stage"] == "on_device"
+        assert where in failed[key]["message"]
+    assert len(rows_of(tmp_path / "cache")) == 10
+
