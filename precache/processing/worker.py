@@ -26,7 +26,8 @@ from precache.processing.pipeline import Pipeline, load_pipeline
 from precache.storage.hashing import hash_bytes
 from precache.threads import pin_threads
 
-__all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "NOT_STORED", "new_record"]
+__all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "NOT_STORED", "new_record",
+           "config_ops"]
 
 NOT_STORED = ("data", "locator")
 """Sample fields the runner provides to ops but does not store in shards."""
@@ -91,16 +92,20 @@ _device: Any = None  # a DeviceClient where the run has a device stage
 _delegated: frozenset[int] = frozenset()  # positions of the ops the device stage runs
 
 
+def config_ops(config: WorkerConfig) -> list[Op]:
+    """The ops of ``config``'s pipeline (loaded by name where it is one), not set up."""
+    pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
+        config.pipeline)
+    return pipeline.build_ops(config.params)
+
+
 def init_worker(config: WorkerConfig, device: Any = None) -> None:
     """Load the pipeline and set up its ops once in this process (models load here). With
     ``device`` (a ``DeviceClient``), the ops at ``config.device_ops`` run in the device
     worker instead, and are not set up here."""
     global _ops, _config, _device, _delegated
     pin_threads()
-    pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
-        config.pipeline
-    )
-    _ops = pipeline.build_ops(config.params)
+    _ops = config_ops(config)
     _device = device
     _delegated = frozenset(config.device_ops if device is not None else ())
     for i, op in enumerate(_ops):

@@ -81,11 +81,9 @@ def _portable(result: Any) -> Any:
 def served_ops(config: Any) -> dict[int, Op]:
     """The device ops of ``config``'s pipeline (``config.device_ops``) by position, set up
     (their models load here)."""
-    from precache.processing.pipeline import Pipeline, load_pipeline
+    from precache.processing.worker import config_ops
 
-    pipeline = config.pipeline if isinstance(config.pipeline, Pipeline) else load_pipeline(
-        config.pipeline)
-    ops = pipeline.build_ops(config.params)
+    ops = config_ops(config)
     served = {i: ops[i] for i in config.device_ops}
     for op in served.values():
         op.setup()
