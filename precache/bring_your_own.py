@@ -756,7 +756,7 @@ def cache_transforms(
     keys = _item_keys(items)
     try:
         cached = cache_dataset(
-            dataset, output, key=keys.__getitem__, sample_hash=lambda i: _file_hash(items[i]),
+            dataset, output, key=keys.__getitem__, sample_hash=_EntryFiles(items),
             version=transforms_version(chain, load) if version is None else str(version),
             workers=workers, **options)
     finally:  # the probed samples not handed to a worker (kept, or workers > 1), a failed run's
