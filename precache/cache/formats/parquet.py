@@ -66,9 +66,11 @@ a sample, keeps its offsets and is read in place."""
 
 ALIGNMENT = 64
 """The byte boundary the values of each fixed-shape and scalar column start on in a shard
-stage 1 writes. Rows at any byte of a mapped file gathered at 0.77-0.83 of a NumPy memmap
-gather of the same rows, 64-byte aligned ones at 0.93-0.96 (12,000 128 px crops in 256-row
-shards, ``make_loader(num_workers=0)``; docs/performance.md). Parquet has no such option, so
+stage 1 writes. Rows at any byte of a mapped file gathered at 0.71-0.84 of a NumPy memmap
+gather of the same rows, 64-byte aligned ones at 0.87-0.89 (``bench_gather.py``) and
+0.99-1.00 (the same caches interleaved in one process) (12,000 128 px crops in 256-row shards,
+``make_loader(num_workers=0)``; docs/performance.md). The shard is serialised in memory (its
+size again, at most, beside the rows), written in one call. Parquet has no such option, so
 before each of those columns the writer puts a pad column (``PAD_PREFIX`` + its name: one
 dictionary-encoded value, repeated, whose length moves the next column's values onto the
 boundary; ~40 bytes plus the shift, read by nothing: precache reads by schema, and other tools
