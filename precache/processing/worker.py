@@ -102,12 +102,17 @@ def config_ops(config: WorkerConfig) -> list[Op]:
 def init_worker(config: WorkerConfig, device: Any = None) -> None:
     """Load the pipeline and set up its ops once in this process (models load here). With
     ``device`` (a ``DeviceClient``), the ops at ``config.device_ops`` run in the device
-    worker instead, and are not set up here."""
+    worker instead, and are not set up here; those that declare ``device_parts`` run here,
+    their parts in the device worker (``device_stage.attach_parts``)."""
     global _ops, _config, _device, _delegated
     pin_threads()
     _ops = config_ops(config)
     _device = device
-    _delegated = frozenset(config.device_ops if device is not None else ())
+    _delegated = frozenset()
+    if device is not None and config.device_ops:
+        from precache.processing.executors.device_stage import attach_parts
+
+        _delegated = attach_parts(_ops, config.device_ops, device)
     for i, op in enumerate(_ops):
         if i not in _delegated:
             op.setup()

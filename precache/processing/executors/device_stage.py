@@ -12,6 +12,14 @@ one request in flight, so at most ``workers`` batches wait. Tasks, shards, journ
 resumption are unchanged: the worker that ran a task still commits its shard, and a re-run after
 a crash (or kill -9 of any process) computes only what was not committed.
 
+An op can also keep most of its work in the worker and send only a part of it: one that declares
+``device_parts`` (``{"detect": ("detect_many", "refine_many")}`` in ``VideoFaces``, which decodes
+and tracks in the worker) gets, in each worker, a ``DevicePart`` in place of each such attribute,
+whose named methods send their arguments to the device worker (a request ``(position, part,
+method)``); the device worker runs every waiting worker's calls of one method as one call. Such a
+method takes lists with one entry per item (``detect_many(images)``, ``refine_many(images,
+boxes)``) and returns one result per item, so calls batch by joining their lists.
+
 How busy the device worker is (its share of the run's time), its average batch and the queue's
 fill are shared through a small array, for the progress bar and the run's summary.
 """
@@ -24,24 +32,35 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from precache.processing.executors.local import WorkerDied, _die_with_parent
 from precache.processing.ops.base import Op, Sample, Skip
 
-__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "device_ops", "served_ops", "run_batch",
-           "restored", "MAX_BATCH"]
+__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "DevicePart", "device_ops", "served_ops",
+           "run_batch", "restored", "part_results", "attach_parts", "MAX_BATCH"]
 
 MAX_BATCH = 64
-"""The most samples the device worker runs in one call (several workers' batches together)."""
+"""The most samples (or items of a part's method) the device worker runs in one call (several
+workers' batches together)."""
+
+Target = Union[int, tuple[int, str, str]]
+"""What a request runs: op ``position`` on samples, or ``(position, part, method)``: a method of
+a device part of that op (``device_parts``) on items."""
 
 _POLL_S = 0.2
 _BUSY, _BATCHES, _SAMPLES, _WAITING, _STARTED = range(5)
 
 
 def device_ops(ops: list[Op]) -> list[int]:
-    """Positions of the ops that run in the device worker."""
+    """Positions of the ops that run in the device worker (whole, or their ``device_parts``)."""
     return [i for i, op in enumerate(ops) if getattr(op, "device_stage", False)]
+
+
+def parts_of(op: Op) -> dict[str, tuple[str, ...]]:
+    """The op's device parts (attribute -> the methods a worker calls on it), ``{}`` where the
+    whole op runs in the device worker."""
+    return dict(getattr(op, "device_parts", None) or {})
 
 
 @dataclass(frozen=True)
@@ -80,31 +99,73 @@ def _portable(result: Any) -> Any:
 
 def served_ops(config: Any) -> dict[int, Op]:
     """The device ops of ``config``'s pipeline (``config.device_ops``) by position, set up
-    (their models load here)."""
+    (their models load here): the whole op, or only its device parts (the rest of it runs in
+    the workers)."""
     from precache.processing.worker import config_ops
 
     ops = config_ops(config)
     served = {i: ops[i] for i in config.device_ops}
     for op in served.values():
-        op.setup()
+        parts = parts_of(op)
+        for part in parts:
+            getattr(op, part).setup()
+        if not parts:
+            op.setup()
     return served
 
 
-def run_batch(served: dict[int, Op], requests: list[tuple[int, list[Sample]]]) -> list[list[Any]]:
-    """Each request's results (``(op position, samples)``), every request of one op run in one
-    call, as results that can be sent back (``_portable``)."""
+def run_batch(served: dict[int, Op], requests: list[tuple[Target, list[Any]]]) -> list[Any]:
+    """Each request's reply, as one that can be sent back: for ``(op position, samples)`` its
+    results (``_portable``), for ``((position, part, method), items)`` ``part_results``'s
+    reply. Every request of one target runs in one call."""
     from precache.processing.worker import _call_op
 
-    replies: list[list[Any]] = [[] for _ in requests]
-    for position in sorted({p for p, _ in requests}):
-        mine = [k for k, (p, _) in enumerate(requests) if p == position]
+    replies: list[Any] = [None] * len(requests)
+    for target in sorted({t for t, _ in requests}, key=repr):
+        mine = [k for k, (t, _) in enumerate(requests) if t == target]
+        if isinstance(target, tuple):
+            position, part, method = target
+            found = _run_part(getattr(getattr(served[position], part), method),
+                              [requests[k][1] for k in mine])
+            for k, reply in zip(mine, found):
+                replies[k] = reply
+            continue
         results = [_portable(x) for x in _call_op(
-            served[position], [s for k in mine for s in requests[k][1]])]
+            served[target], [s for k in mine for s in requests[k][1]])]
         at = 0
         for k in mine:
             count = len(requests[k][1])
             replies[k], at = results[at:at + count], at + count
     return replies
+
+
+def _run_part(method: Callable[..., list[Any]], calls: list[list[tuple]]) -> list[tuple]:
+    """``method`` over every call's items at once (each item a tuple of the method's arguments):
+    each call's ``("ok", results)``, or, where the method raised, ``("error", class name,
+    message)``; a failure of the joined call is retried call by call, so it fails only the call
+    (the worker's sample) that causes it."""
+    items = [item for call in calls for item in call]
+    try:
+        results = method(*[list(column) for column in zip(*items)])
+        if len(results) != len(items):
+            raise RuntimeError(f"{getattr(method, '__qualname__', method)} returned "
+                               f"{len(results)} results for {len(items)} items")
+    except Exception as error:  # noqa: BLE001 - the error of the call that causes it
+        if len(calls) > 1:
+            return [_run_part(method, [call])[0] for call in calls]
+        return [("error", type(error).__name__, str(error) or repr(error))]
+    replies, at = [], 0
+    for call in calls:
+        replies.append(("ok", list(results[at:at + len(call)])))
+        at += len(call)
+    return replies
+
+
+def part_results(reply: tuple) -> list[Any]:
+    """A part call's results from its reply, or its error raised here under its class name."""
+    if reply[0] == "error":
+        raise _remote_error(reply[1], reply[2])
+    return reply[1]
 
 
 def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
@@ -152,13 +213,16 @@ def _opened(request: tuple) -> tuple:
     return worker, request_id, position, pickle.loads(payload)
 
 
-def _packed(results: list[Any]) -> bytes:
+def _packed(results: Any) -> bytes:
     """The results pickled here, not by the queue's feeder thread, which would drop a reply it
     cannot pickle and leave its worker waiting for ever: a result that cannot be pickled fails
-    its sample instead, saying so."""
+    its sample instead (a part call's reply: the call), saying so."""
     try:
         return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - find the results that cannot be sent
+        if isinstance(results, tuple):  # a part call's reply (``_run_part``)
+            return pickle.dumps(_sendable(results, "back to its worker"),
+                                protocol=pickle.HIGHEST_PROTOCOL)
         return pickle.dumps([_sendable(r, "back to its worker") for r in results],
                             protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -236,7 +300,8 @@ def _alive(pid: int) -> bool:
 
 class DeviceClient:
     """A worker's end: ``call(position, samples)`` runs op ``position`` of the pipeline in the
-    device worker on ``samples`` and returns its results as ``_call_op`` would.
+    device worker on ``samples`` and returns its results as ``_call_op`` would;
+    ``call_part(position, part, method, items)`` runs a method of one of its device parts.
 
     ``watch``: in the calling process (worker 0), why another process the run needs is gone, if
     it is (``None`` elsewhere): a worker killed while writing its request leaves the device
@@ -264,8 +329,27 @@ class DeviceClient:
             return [_remote_error("PicklingError", f"this sample cannot be sent to the device "
                                   f"stage ({type(e).__name__}: {e}); give the device op arrays, "
                                   "numbers and strings")]
+        return restored(self._ask(position, payload), samples)
+
+    def call_part(self, position: int, part: str, method: str, items: list[tuple]) -> list[Any]:
+        """``method`` of the device part ``part`` of op ``position``, run in the device worker
+        on ``items`` (each a tuple of the method's arguments): one result per item.
+
+        Raises:
+            WorkerDied: as ``call``.
+            Exception: the method's error, under its class name (it fails the worker's sample).
+        """
+        try:
+            payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - this call cannot be sent
+            raise _remote_error("PicklingError", f"{part}.{method}'s arguments cannot be sent to "
+                                f"the device stage ({type(e).__name__}: {e})") from None
+        return part_results(self._ask((position, part, method), payload))
+
+    def _ask(self, target: Target, payload: bytes) -> Any:
+        """Send one request and wait for its reply, unpickled."""
         self._next += 1
-        self._put((self.worker, self._next, position, payload))
+        self._put((self.worker, self._next, target, payload))
         while True:
             try:
                 reply = self._responses.get(timeout=_POLL_S)
@@ -275,8 +359,7 @@ class DeviceClient:
             if reply[0] == "setup":
                 raise WorkerDied(f"the device stage could not set up its ops:\n{reply[1]}")
             if reply[1] == self._next:
-                break
-        return restored(pickle.loads(reply[2]), samples)
+                return pickle.loads(reply[2])
 
     def _put(self, request: tuple) -> None:
         while True:
@@ -317,3 +400,45 @@ def _restored(result: Any, sample: Sample) -> Any:
             for child in result:
                 child.setdefault("data", sample["data"])
     return result
+
+
+class DevicePart:
+    """In a worker, an op's device part (``device_parts``) in place of the part itself: the
+    declared ``methods`` run in the device stage through ``client`` (``call_part``), batched
+    there with other workers' calls; any other attribute is the local part's, which is not set
+    up (its model stays out of the worker)."""
+
+    def __init__(self, client: Any, position: int, name: str, methods: tuple[str, ...],
+                 local: Any) -> None:
+        self._client, self._position, self._name = client, position, name
+        self._methods, self._local = tuple(methods), local
+
+    def setup(self) -> None:
+        """Nothing here: the device stage sets the part up."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        if name in self._methods:
+            return lambda *columns: self._call(name, columns)
+        return getattr(self._local, name)
+
+    def _call(self, method: str, columns: tuple[list[Any], ...]) -> list[Any]:
+        items = list(zip(*columns))
+        if not items:
+            return []
+        return self._client.call_part(self._position, self._name, method, items)
+
+
+def attach_parts(ops: list[Op], positions: tuple[int, ...], client: Any) -> frozenset[int]:
+    """In a worker: put a ``DevicePart`` calling ``client`` in place of each device part of the
+    ops at ``positions``; return the positions of the ops that run whole in the device stage."""
+    whole = set()
+    for position in positions:
+        op = ops[position]
+        parts = parts_of(op)
+        for name, methods in parts.items():
+            setattr(op, name, DevicePart(client, position, name, methods, getattr(op, name)))
+        if not parts:
+            whole.add(position)
+    return frozenset(whole)

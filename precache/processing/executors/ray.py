@@ -19,7 +19,7 @@ precache and the pipeline's packages installed, and those folders at the same pa
 With a device stage (``device_stage``), the ops that declare it run in a pool of device actors
 (one per GPU of the cluster, each asking Ray for a GPU; one without GPUs), which the worker
 actors call: each device actor runs the batches that reach it together, as the local device
-stage does (``precache.processing.executors.device_stage``).
+stage does (``precache.processing.executors.device_stage``), device parts' method calls too.
 
 Ray is imported only here and only when this executor runs: ``pip install 'precache[ray]'``.
 """
@@ -39,8 +39,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, _without_data,
-                                                         restored, run_batch, served_ops)
+from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, Target,
+                                                         _without_data, part_results, restored,
+                                                         run_batch, served_ops)
 from precache.processing.executors.local import WorkerDied, largest_first
 from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 from precache.errors import RunError
@@ -127,10 +128,11 @@ class DeviceActor:
         self._started = time.time()
         threading.Thread(target=self._serve, daemon=True).start()
 
-    def call(self, position: int, samples: list[dict[str, Any]]) -> list[Any]:
-        """Op ``position`` on ``samples``, run with whatever other calls are waiting."""
+    def call(self, target: Target, items: list[Any]) -> Any:
+        """Op ``target`` on samples, or a method of one of its device parts on items
+        (``device_stage.Target``), run with whatever other calls are waiting."""
         done, reply = threading.Event(), []
-        self._waiting.put((position, samples, done, reply))
+        self._waiting.put((target, items, done, reply))
         done.wait()
         return reply[0]
 
@@ -164,13 +166,19 @@ class RayDeviceClient:
         self._actor = actors[worker % len(actors)]
 
     def call(self, position: int, samples: list[dict[str, Any]]) -> list[Any]:
+        return restored(self._ask(position, _without_data(samples)), samples)
+
+    def call_part(self, position: int, part: str, method: str, items: list[tuple]) -> list[Any]:
+        """As ``DeviceClient.call_part``."""
+        return part_results(self._ask((position, part, method), items))
+
+    def _ask(self, target: Target, items: list[Any]) -> Any:
         import ray
 
         try:
-            results = ray.get(self._actor.call.remote(position, _without_data(samples)))
+            return ray.get(self._actor.call.remote(target, items))
         except ray.exceptions.RayActorError as e:
             raise WorkerDied(f"a device actor died:\n{e}") from None
-        return restored(results, samples)
 
 
 def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_path: list[str],

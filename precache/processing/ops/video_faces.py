@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 import numpy as np
 
@@ -60,7 +60,10 @@ class VideoFaces(Op):
         min_iou: box overlap that links a detection to a track.
         min_face, thresholds, detect_size: as ``DetectFaces``.
         device: where MTCNN runs, as ``DetectFaces`` (``auto``, ``cpu``, ``cuda``); like there,
-            not in ``params``: every device gives the same tracks and boxes within 1 px.
+            not in ``params``: every device gives the same tracks and boxes within 1 px. On a
+            CUDA GPU the detector (``detect``) runs in the run's device stage (``device_stage``,
+            ``device_parts``): one process for all workers, which runs every waiting worker's
+            frames in one batch; decoding, tracking and cropping stay in the workers.
         detector: ``mtcnn`` or ``blazeface``, as ``DetectFaces`` (the frames between full
             detections are followed by O-Net either way).
         size, margin: as ``CropFace``.
@@ -71,6 +74,9 @@ class VideoFaces(Op):
 
     name = "video_faces"
     version = "1"
+    device_parts: ClassVar[dict[str, tuple[str, ...]]] = {"detect": ("detect_many", "refine_many")}
+    """What runs in the device stage where the op has one (``device_stage``): these methods of
+    ``self.detect`` (``precache.processing.executors.device_stage.DevicePart``)."""
 
     def __init__(self, *, frames: int = 32, every: int = 0, fps: float = 0.0,
                  max_frames: int = MAX_FRAMES, detect_every: int = 8, keep: str = "largest",
@@ -119,6 +125,11 @@ class VideoFaces(Op):
     def setup(self) -> None:
         self.detect.setup()
         self.crop.setup()
+
+    @property
+    def device_stage(self) -> bool:
+        """Whether the detector runs in the run's device stage: where it runs on a GPU."""
+        return bool(self.detect.device_stage)
 
     def __call__(self, sample: Sample) -> list[Sample]:
         reader = VideoReader(sample["data"], frames=self.frames, every=self.every, fps=self.fps,

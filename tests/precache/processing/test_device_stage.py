@@ -8,8 +8,11 @@ import queue
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import precache
@@ -97,3 +100,86 @@ def test_a_value_that_cannot_be_pickled_fails_its_sample_not_the_run(tmp_path: P
         assert where in failed[key]["message"]
     assert len(rows_of(tmp_path / "cache")) == 10
 
+
+
+
+@dataclass
+class VideoRuns:
+    """The video pipeline's runs over the same videos, with and without the device stage, and
+    the pids that set up and ran its detector in each."""
+
+    staged: Any
+    plain: Any
+    staged_cache: Path
+    plain_cache: Path
+    staged_ran: dict[str, set[int]]
+    plain_ran: dict[str, set[int]]
+
+
+@pytest.fixture(scope="module")
+def video_runs(tmp_path_factory: pytest.TempPathFactory) -> VideoRuns:
+    from tests.precache.processing.video_device_pipeline import PIPELINE, logged, make_videos
+
+    root = tmp_path_factory.mktemp("video_runs")
+    videos = make_videos(root / "in")
+    runs, ran = {}, {}
+    with pytest.MonkeyPatch.context() as env:
+        for name, staged in (("staged", None), ("plain", False)):
+            env.setenv("PRECACHE_DETECT_LOG", str(root / f"{name}.log"))
+            runs[name] = precache.run(PIPELINE, videos, root / name, workers=2, shard_rows=1,
+                                      device_stage=staged, **QUIET)
+            ran[name] = logged(root / f"{name}.log")
+    return VideoRuns(runs["staged"], runs["plain"], root / "staged", root / "plain",
+                     ran["staged"], ran["plain"])
+
+
+def test_a_video_ops_detector_runs_in_the_device_stage_and_the_cache_is_the_same(
+        video_runs: VideoRuns) -> None:
+    # VideoFaces decodes, tracks and crops in the workers; its detector's calls (the cascade,
+    # and O-Net following a face) run in the device process
+    from tests.precache.processing.video_device_pipeline import rows_of
+
+    got, expected = rows_of(video_runs.staged_cache), rows_of(video_runs.plain_cache)
+    assert [r["key"] for r in got] == [r["key"] for r in expected] and len(got) >= 12
+    for row, want in zip(got, expected):
+        np.testing.assert_allclose(row["box"], want["box"], atol=1.0)
+        np.testing.assert_allclose(row["landmarks5"], want["landmarks5"], atol=1.0)
+        np.testing.assert_array_equal(row["image"], want["image"])
+        assert (row["track"], row["frame_index"], row["detected"]) == (
+            want["track"], want["frame_index"], want["detected"])
+    # one device process set the detector up and ran it (both methods), no worker did
+    ran = video_runs.staged_ran
+    assert len(ran["setup"]) == 1 and ran["detect"] == ran["refine"] == ran["setup"]
+    assert os.getpid() not in ran["setup"]
+    assert os.getpid() in video_runs.plain_ran["detect"]  # without the stage, the workers detect
+    device = video_runs.staged.stages.device
+    assert device is not None and device.batches > 0 and video_runs.plain.stages.device is None
+    assert "device stage busy" in video_runs.staged.stages.describe()  # the summary's line
+    assert "device stage busy" in video_runs.staged.stages.slowest()  # the progress bar's
+
+
+def test_a_detection_failing_in_the_device_stage_fails_only_its_video(
+        video_runs: VideoRuns) -> None:
+    for summary in (video_runs.staged, video_runs.plain):
+        assert (summary.ok, summary.failed) == (2, 1)
+        failure = summary.failures[0]
+        assert (failure["key"], failure["stage"], failure["error_type"]) == (
+            "broken.mp4", "video_faces", "DetectorFault")
+        assert failure["message"] == "cannot detect on 128x96 frames"
+
+
+def test_a_failing_call_batched_with_other_workers_calls_fails_only_its_own() -> None:
+    # the device process joins waiting workers' calls into one; if that one raises, each call
+    # is run alone, so only the failing worker's video fails
+    from skimage import data as skdata
+
+    from precache.processing.executors.device_stage import run_batch
+    from tests.precache.processing.video_device_pipeline import BROKEN, make_ops
+
+    op = make_ops()[0]
+    op.detect.setup()
+    face, broken = skdata.astronaut(), np.zeros((*BROKEN, 3), np.uint8)
+    target = (0, "detect", "detect_many")
+    replies = run_batch({0: op}, [(target, [(face,)]), (target, [(broken,), (face,)])])
+    assert replies[0][0] == "ok" and len(replies[0][1]) == 1 and len(replies[0][1][0][0]) >= 1
+    assert replies[1] == ("error", "DetectorFault", "cannot detect on 128x96 frames")

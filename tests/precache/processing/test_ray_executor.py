@@ -356,6 +356,35 @@ def test_device_ops_run_in_a_device_actor_that_the_worker_actors_share(
 
 
 @needs_ray
+def test_a_video_ops_detector_runs_in_the_device_actor_and_the_rest_in_the_worker_actors(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from tests.precache.processing.device_pipeline import QUIET
+    from tests.precache.processing.video_device_pipeline import (PIPELINE, logged, make_videos,
+                                                                 rows_of)
+
+    videos = make_videos(tmp_path / "in")
+    monkeypatch.setenv("PRECACHE_DETECT_LOG", str(tmp_path / "detect.log"))  # to the actors too
+    on_ray = precache.run(PIPELINE, videos, tmp_path / "ray", workers=2, shard_rows=1,
+                          executor="ray", **QUIET)
+    ran = logged(tmp_path / "detect.log")
+    (tmp_path / "detect.log").unlink()
+    precache.run(PIPELINE, videos, tmp_path / "local", workers=1, device_stage=False, **QUIET)
+    got, expected = rows_of(tmp_path / "ray"), rows_of(tmp_path / "local")
+    assert [r["key"] for r in got] == [r["key"] for r in expected] and len(got) >= 12
+    for row, want in zip(got, expected):
+        np.testing.assert_allclose(row["box"], want["box"], atol=1.0)
+        np.testing.assert_array_equal(row["image"], want["image"])
+    # one device actor set the detector up and ran both its methods; the worker actors not
+    assert len(ran["setup"]) == 1 and ran["detect"] == ran["refine"] == ran["setup"]
+    assert os.getpid() not in ran["setup"]
+    assert (on_ray.ok, on_ray.failed) == (2, 1)
+    assert on_ray.failures[0]["error_type"] == "DetectorFault"
+    assert on_ray.stages.device is not None and on_ray.stages.device.batches > 0
+
+
+@needs_ray
 def test_a_dataset_is_cached_by_ray_actors(cluster: Cluster, tmp_path: Path) -> None:
     from precache.bring_your_own import cache_dataset
     from tests.precache.processing.byo_datasets import MixedDataset, same
