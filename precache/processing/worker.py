@@ -27,10 +27,16 @@ from precache.storage.hashing import hash_bytes
 from precache.threads import pin_threads
 
 __all__ = ["Task", "WorkerConfig", "TaskResult", "init_worker", "run_task", "NOT_STORED", "new_record",
-           "config_ops"]
+           "config_ops", "WorkerDied"]
 
 NOT_STORED = ("data", "locator")
 """Sample fields the runner provides to ops but does not store in shards."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process died or failed outside any one input (the message says which). Raised
+    inside an op (by a device part's call, when the device stage died), it stops the run: it
+    is no error of the op's input."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,8 @@ def _call_op(op: Op, samples: list[Sample]) -> list[Any]:
                 raise RuntimeError(f"op {op.name!r} returned {len(results)} results for "
                                    f"{len(samples)} samples")
             return results
+        except WorkerDied:
+            raise
         except Exception:
             if len(samples) == 1:
                 return [sys.exc_info()[1]]
@@ -143,6 +151,8 @@ def _call_op(op: Op, samples: list[Sample]) -> list[Any]:
             results.append(op(sample))
         except Skip as skip:
             results.append(skip)
+        except WorkerDied:
+            raise
         except Exception as error:  # noqa: BLE001 - any op error is this sample's error
             results.append(error)
     return results

@@ -21,17 +21,14 @@ import traceback
 from typing import Any, Iterator
 
 from precache.errors import RunError
-from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
+from precache.processing.worker import (Task, TaskResult, WorkerConfig, WorkerDied, init_worker,
+                                        run_task)
 from precache.threads import threads_pinned
 
 __all__ = ["run_tasks", "largest_first", "WorkerDied"]
 
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-class WorkerDied(RuntimeError):
-    """A worker process died or failed outside any one input (the message says which)."""
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -117,11 +117,17 @@ class VideoRuns:
 
 
 @pytest.fixture(scope="module")
-def video_runs(tmp_path_factory: pytest.TempPathFactory) -> VideoRuns:
-    from tests.precache.processing.video_device_pipeline import PIPELINE, logged, make_videos
+def face_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.precache.processing.video_device_pipeline import make_videos
 
-    root = tmp_path_factory.mktemp("video_runs")
-    videos = make_videos(root / "in")
+    return make_videos(tmp_path_factory.mktemp("videos") / "in")
+
+
+@pytest.fixture(scope="module")
+def video_runs(face_videos: Path, tmp_path_factory: pytest.TempPathFactory) -> VideoRuns:
+    from tests.precache.processing.video_device_pipeline import PIPELINE, logged
+
+    root, videos = tmp_path_factory.mktemp("video_runs"), face_videos
     runs, ran = {}, {}
     with pytest.MonkeyPatch.context() as env:
         for name, staged in (("staged", None), ("plain", False)):
@@ -183,3 +189,21 @@ def test_a_failing_call_batched_with_other_workers_calls_fails_only_its_own() ->
     replies = run_batch({0: op}, [(target, [(face,)]), (target, [(broken,), (face,)])])
     assert replies[0][0] == "ok" and len(replies[0][1]) == 1 and len(replies[0][1][0][0]) >= 1
     assert replies[1] == ("error", "DetectorFault", "cannot detect on 128x96 frames")
+
+
+def test_a_video_op_waiting_for_a_dead_device_stage_stops_the_run_not_just_its_video(
+        face_videos: Path) -> None:
+    # the device part's call runs inside the op, where any error is the input's: the device
+    # stage's death must still reach the run (one line, re-run to resume), not fail each video
+    from precache.processing.executors.device_stage import DeviceClient, attach_parts
+    from precache.processing.worker import WorkerDied, _call_op
+    from tests.precache.processing.video_device_pipeline import make_ops
+
+    ops = make_ops()
+    client = DeviceClient(0, queue.Queue(), queue.Queue(), os.getpid())  # never answers
+    client.watch = lambda: "the device stage process 12 died with exit code -9"
+    assert attach_parts(ops, (0,), client) == frozenset()  # the op runs here, its part there
+    ops[0].setup()
+    data = (face_videos / "real" / "real_000.mp4").read_bytes()
+    with pytest.raises(WorkerDied, match="device stage process 12 died"):
+        _call_op(ops[0], [{"key": "v.mp4", "source_key": "v.mp4", "data": data}])
