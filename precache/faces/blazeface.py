@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from precache.faces.mediapipe_import import import_mediapipe
 from precache.faces.mtcnn import MTCNN, _crops, _square, mtcnn_weight_files
 from precache.faces.native_stderr import native_stderr_silenced
 
@@ -93,6 +94,7 @@ def _graph(model: str, score_threshold: float, threads: int) -> Any:
     count set on the nodes themselves: the packaged graph never goes below 0.6 (full) or 0.5
     (short), whatever ``min_detection_confidence`` says, and leaves XNNPACK's threads to the
     library; its executor gets one thread (the graph runs one image at a time)."""
+    import_mediapipe()  # without matplotlib: half a second of each worker's start
     from mediapipe.calculators.tensor import inference_calculator_pb2, tensors_to_detections_calculator_pb2
     from mediapipe.framework import calculator_pb2
     from mediapipe.python._framework_bindings import resource_util, validated_graph_config

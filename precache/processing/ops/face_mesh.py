@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from precache.faces.mediapipe_import import import_mediapipe
 from precache.faces.native_stderr import native_stderr_silenced
 from precache.faces.topology import MESH_POINTS, region_hulls
 from precache.processing.ops.base import Op, Sample
@@ -71,6 +72,7 @@ class FaceMesh(Op):
 
     def setup(self) -> None:
         mediapipe_model_files()  # a clear error before MediaPipe's own
+        import_mediapipe()  # without matplotlib: half a second of each worker's start
         from mediapipe.python.solutions.face_mesh import FaceMesh as MediaPipeFaceMesh
 
         with native_stderr_silenced():
