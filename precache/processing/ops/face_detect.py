@@ -7,15 +7,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import cv2
 import numpy as np
 
-from precache.faces.mtcnn import MTCNN, Cascade, mtcnn_weight_files
+from precache.faces.mtcnn import MTCNN, Cascade, Faces, mtcnn_weight_files, refine_inputs
 from precache.processing.ops.base import Op, Sample, Skip
 
-__all__ = ["DetectFaces", "DEVICES", "DETECTORS", "check_device", "make_mtcnn"]
+__all__ = ["DetectFaces", "FaceNets", "DEVICES", "DETECTORS", "check_device", "make_mtcnn"]
 
 DETECTORS = ("mtcnn", "blazeface")
 """``detector`` values: ``mtcnn`` (the cascade, on the CPU or a GPU) or ``blazeface``
@@ -83,6 +83,61 @@ def make_mtcnn(device: str, min_face: float, thresholds: tuple[float, float, flo
     return TorchMTCNN(min_face, thresholds, device=device)
 
 
+class FaceNets:
+    """The networks of a ``DetectFaces``: the part of it that runs in a run's device stage
+    (``device_parts``) while the rest of it (shrinking an image to ``detect_size``, cutting
+    O-Net's patches, mapping boxes and points back to source pixels) runs in the worker. So
+    what travels to the device is a shrunk image or 48 px patches, not the source photo (36 MB
+    for 12 megapixels) or frame (6.2 MB at 1080p). A plain run calls the same methods in the
+    worker: one code path.
+
+    Each method takes lists with one entry per item and returns one result per item, so the
+    device stage batches several workers' calls by joining their lists.
+
+    Args:
+        detector, device, min_face, thresholds: as ``DetectFaces``'s.
+    """
+
+    def __init__(self, detector: str, device: str, min_face: int,
+                 thresholds: tuple[float, float, float]) -> None:
+        self.detector_name, self.device = detector, device
+        self.min_face, self.thresholds = min_face, thresholds
+        self.detector: Any = None  # a Cascade (MTCNN) or a BlazeFace, made by setup
+
+    def setup(self) -> None:
+        """Load the networks (once)."""
+        if self.detector is not None:
+            return
+        if self.detector_name == "blazeface":  # made here: MediaPipe aborts in forked children
+            from precache.faces.blazeface import BlazeFace
+
+            self.detector = BlazeFace(self.min_face, (*BLAZEFACE_THRESHOLDS, self.thresholds[2]))
+            return
+        self.detector = make_mtcnn(self.device, self.min_face, self.thresholds)
+
+    def detect(self, images: list[np.ndarray], min_faces: list[float]) -> list[Faces]:
+        """Faces in each (already shrunk) image, looking for faces of ``min_faces[k]`` pixels
+        and more: one ``detect_batch`` per image size and smallest face (one pyramid each)."""
+        self.setup()
+        groups: dict[tuple[tuple[int, ...], float], list[int]] = {}
+        for k, (image, min_face) in enumerate(zip(images, min_faces)):
+            groups.setdefault((image.shape[:2], float(min_face)), []).append(k)
+        results: list[Any] = [None] * len(images)
+        for (_, min_face), members in groups.items():
+            self.detector.min_face = min_face
+            for k, found in zip(members, self.detector.detect_batch([images[k] for k in members])):
+                results[k] = found
+        return results
+
+    def refine(self, squared: list[np.ndarray], patches: list[np.ndarray]) -> list[Faces]:
+        """O-Net on each image's squared boxes and their 48 px patches (``refine_inputs``)."""
+        self.setup()
+        detector = self.detector
+        # BlazeFace refines with the MTCNN it holds (``BlazeFace.refine``)
+        onet = detector if isinstance(detector, Cascade) else detector.onet
+        return onet.refine_patches(squared, patches)
+
+
 class DetectFaces(Op):
     """Find faces with MTCNN; adds ``box`` (x0, y0, x1, y1, the detector's box before any
     margin), ``score`` and ``landmarks5`` (5 x 2), all in source-image pixels.
@@ -101,9 +156,11 @@ class DetectFaces(Op):
             cache's fingerprint: every device runs the same weights through the same cascade
             code and gives the same faces, boxes and points within 1 px (float rounding in the
             networks only), so moving a cache's run from the CPU to a GPU (or back) does not
-            recompute what is cached. On a CUDA GPU the op runs in the run's device stage
-            (``device_stage``): one process for all workers, which detects on every worker's
-            photos in one batch (``precache.processing.executors.device_stage``).
+            recompute what is cached. On a CUDA GPU the networks (``nets``) run in the run's
+            device stage (``device_stage``, ``device_parts``): one process for all workers,
+            which detects on every worker's photos in one batch
+            (``precache.processing.executors.device_stage``); the worker sends it each photo
+            shrunk to ``detect_size``, and maps the faces back.
         detector: ``mtcnn`` (default) or ``blazeface`` (``DETECTORS``): BlazeFace proposes
             faces in one pass instead of MTCNN's pyramid, MTCNN's R-Net and O-Net check them and
             give box, score and 5 points in MTCNN's style; CPU only. ``thresholds[0]`` and
@@ -111,12 +168,15 @@ class DetectFaces(Op):
             ``blazeface``, so MTCNN caches keep their fingerprint.
 
     An image without a face is skipped with reason ``no_face``. Photos are detected a batch at
-    a time (``call_batch``: one batch per image size), with the same faces as one by one.
+    a time (``call_batch``: one batch per shrunk size), with the same faces as one by one.
     """
 
     name = "detect_faces"
     version = "1"
     batched = True
+    device_parts: ClassVar[dict[str, tuple[str, ...]]] = {"nets": ("detect", "refine")}
+    """What runs in the device stage where the op has one (``device_stage``): these methods of
+    ``self.nets`` (``FaceNets``; ``precache.processing.executors.device_stage.DevicePart``)."""
 
     def __init__(self, *, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
                  keep: str = "largest", detect_size: int = 1024, device: str = "auto",
@@ -140,7 +200,16 @@ class DetectFaces(Op):
                              "or detector=mtcnn")
         self.device = check_device(device)
         self.detector_name = detector
-        self.detector: Any = None  # a Cascade (MTCNN) or a BlazeFace, made by setup
+        self.nets = FaceNets(detector, self.device, self.min_face, self.thresholds)  # type: ignore[arg-type]
+
+    @property
+    def detector(self) -> Any:
+        """The detector (a ``Cascade`` or a ``BlazeFace``) once set up, else ``None``."""
+        return self.nets.detector
+
+    @detector.setter
+    def detector(self, detector: Any) -> None:
+        self.nets.detector = detector
 
     @property
     def params(self) -> dict[str, Any]:
@@ -156,71 +225,49 @@ class DetectFaces(Op):
         return list(mtcnn_weight_files().values())
 
     def setup(self) -> None:
-        if self.detector_name == "blazeface":  # made here: MediaPipe aborts in forked children
-            from precache.faces.blazeface import BlazeFace
+        self.nets.setup()
 
-            self.detector = BlazeFace(self.min_face, (*BLAZEFACE_THRESHOLDS, self.thresholds[2]))
-            return
-        self.detector = make_mtcnn(self.device, self.min_face, self.thresholds)  # type: ignore[arg-type]
-
-    def _detect(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _detect(self, image: np.ndarray) -> Faces:
         """Detect on a copy shrunk to ``detect_size``; return source-pixel boxes and points."""
         return self.detect_many([image])[0]
 
-    def detect_many(self, images: list[np.ndarray]
-                    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``(boxes, scores, landmarks)`` in source pixels for each image, same-sized images
-        (a video's frames) in one batch per network (``MTCNN.detect_batch``)."""
-        if self.detector is None:
-            self.setup()
-        detector = self.detector
-        assert detector is not None
-        if not images:
-            return []
-        height, width = images[0].shape[:2]
-        if any(image.shape[:2] != (height, width) for image in images):  # mixed sizes
-            return self._detect_mixed(images)
+    def _shrunk(self, image: np.ndarray) -> tuple[np.ndarray, float]:
+        """The image the detector sees (a copy shrunk so its longer side is ``detect_size``,
+        INTER_AREA, or the image itself) and the shrink factor."""
+        height, width = image.shape[:2]
         shrink = min(1.0, self.detect_size / max(height, width)) if self.detect_size else 1.0
-        detector.min_face = max(12.0, self.min_face * shrink)
         if shrink == 1.0:
-            return detector.detect_batch(images)
+            return image, 1.0
         size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
-        small = [cv2.resize(image, size, interpolation=cv2.INTER_AREA) for image in images]
-        # Pixel centres: small pixel i covers source pixels around (i + 0.5) / shrink - 0.5.
-        return [((boxes + 0.5) / shrink - 0.5, scores, (landmarks + 0.5) / shrink - 0.5)
-                for boxes, scores, landmarks in detector.detect_batch(small)]
+        return cv2.resize(image, size, interpolation=cv2.INTER_AREA), shrink
 
-    def _detect_mixed(self, images: list[np.ndarray]
-                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``detect_many`` on images of several sizes: one batch per size (each size has its own
-        shrink, hence its own pyramid)."""
-        by_size: dict[tuple[int, ...], list[int]] = {}
-        for k, image in enumerate(images):
-            by_size.setdefault(image.shape[:2], []).append(k)
-        results: list = [None] * len(images)
-        for members in by_size.values():
-            for k, found in zip(members, self.detect_many([images[k] for k in members])):
-                results[k] = found
-        return results
+    def detect_many(self, images: list[np.ndarray]) -> list[Faces]:
+        """``(boxes, scores, landmarks)`` in source pixels for each image: each is shrunk here
+        (``_shrunk``), detected on by ``nets`` (in the device stage where the op has one;
+        same-sized images in one batch per network), and its faces mapped back here."""
+        shrunk = [self._shrunk(image) for image in images]
+        found = self.nets.detect([small for small, _ in shrunk],
+                                 [max(12.0, self.min_face * shrink) for _, shrink in shrunk])
+        return [faces if shrink == 1.0 else _to_source(faces, shrink)
+                for faces, (_, shrink) in zip(found, shrunk)]
 
-    def refine_many(self, images: list[np.ndarray], boxes: list[np.ndarray]
-                    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``MTCNN.refine`` on each image's boxes, in source pixels: O-Net's patch is cut from
-        the full-size image (no shrunk copy of the whole frame is needed for one patch)."""
-        if self.detector is None:
-            self.setup()
-        assert self.detector is not None
-        return self.detector.refine(images, boxes)
+    def refine_many(self, images: list[np.ndarray], boxes: list[np.ndarray]) -> list[Faces]:
+        """``MTCNN.refine`` on each image's boxes, in source pixels: O-Net's patches are cut
+        here from the full-size image (``refine_inputs``) and only they go to ``nets``."""
+        inputs = [refine_inputs(image, b) for image, b in zip(images, boxes)]
+        return self.nets.refine([squared for squared, _ in inputs],
+                                [patches for _, patches in inputs])
 
     @property
     def device_stage(self) -> bool:
-        """Whether the op runs in the run's device stage: where its networks run on a GPU."""
+        """Whether the op's networks (``nets``) run in the run's device stage: where they run
+        on a GPU."""
         return self.detector_name == "mtcnn" and (
             self.device.startswith("cuda") or (self.device == "auto" and _cuda_available()))
 
     def call_batch(self, samples: list[Sample]) -> list[Any]:
         """Every sample's faces (``__call__``'s result, or ``Skip``), detected in one batch per
-        image size (``detect_many``)."""
+        shrunk size (``detect_many``)."""
         found = self.detect_many([sample["image"] for sample in samples])
         return [self._faces(sample, *faces) for sample, faces in zip(samples, found)]
 
@@ -241,3 +288,10 @@ class DetectFaces(Op):
             return faces
         areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
         return faces[int(np.argmax(areas))]
+
+
+def _to_source(faces: Faces, shrink: float) -> Faces:
+    """Boxes and points found on an image shrunk by ``shrink``, in the source image's pixels."""
+    boxes, scores, landmarks = faces
+    # Pixel centres: small pixel i covers source pixels around (i + 0.5) / shrink - 0.5.
+    return (boxes + 0.5) / shrink - 0.5, scores, (landmarks + 0.5) / shrink - 0.5

@@ -61,9 +61,9 @@ class VideoFaces(Op):
         min_face, thresholds, detect_size: as ``DetectFaces``.
         device: where MTCNN runs, as ``DetectFaces`` (``auto``, ``cpu``, ``cuda``); like there,
             not in ``params``: every device gives the same tracks and boxes within 1 px. On a
-            CUDA GPU the detector (``detect``) runs in the run's device stage (``device_stage``,
+            CUDA GPU the detector's networks run in the run's device stage (``device_stage``,
             ``device_parts``): one process for all workers, which runs every waiting worker's
-            frames in one batch; decoding, tracking and cropping stay in the workers.
+            frames in one batch; decoding, shrinking, tracking and cropping stay in the workers.
         detector: ``mtcnn`` or ``blazeface``, as ``DetectFaces`` (the frames between full
             detections are followed by O-Net either way).
         size, margin: as ``CropFace``.
@@ -74,9 +74,11 @@ class VideoFaces(Op):
 
     name = "video_faces"
     version = "1"
-    device_parts: ClassVar[dict[str, tuple[str, ...]]] = {"detect": ("detect_many", "refine_many")}
-    """What runs in the device stage where the op has one (``device_stage``): these methods of
-    ``self.detect`` (``precache.processing.executors.device_stage.DevicePart``)."""
+    device_parts: ClassVar[dict[str, tuple[str, ...]]] = {
+        f"detect.{part}": methods for part, methods in DetectFaces.device_parts.items()}
+    """What runs in the device stage where the op has one (``device_stage``): the detector's
+    networks (``self.detect.nets``, ``FaceNets``), sent each frame shrunk to ``detect_size``
+    and O-Net's patches (``precache.processing.executors.device_stage.DevicePart``)."""
 
     def __init__(self, *, frames: int = 32, every: int = 0, fps: float = 0.0,
                  max_frames: int = MAX_FRAMES, detect_every: int = 8, keep: str = "largest",

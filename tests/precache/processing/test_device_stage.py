@@ -114,6 +114,7 @@ class VideoRuns:
     plain_cache: Path
     staged_ran: dict[str, set[int]]
     plain_ran: dict[str, set[int]]
+    staged_sent: dict[str, int]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def face_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def video_runs(face_videos: Path, tmp_path_factory: pytest.TempPathFactory) -> VideoRuns:
-    from tests.precache.processing.video_device_pipeline import PIPELINE, logged
+    from tests.precache.processing.video_device_pipeline import PIPELINE, largest_sent, logged
 
     root, videos = tmp_path_factory.mktemp("video_runs"), face_videos
     runs, ran = {}, {}
@@ -136,14 +137,14 @@ def video_runs(face_videos: Path, tmp_path_factory: pytest.TempPathFactory) -> V
                                       device_stage=staged, **QUIET)
             ran[name] = logged(root / f"{name}.log")
     return VideoRuns(runs["staged"], runs["plain"], root / "staged", root / "plain",
-                     ran["staged"], ran["plain"])
+                     ran["staged"], ran["plain"], largest_sent(root / "staged.log"))
 
 
 def test_a_video_ops_detector_runs_in_the_device_stage_and_the_cache_is_the_same(
         video_runs: VideoRuns) -> None:
     # VideoFaces decodes, tracks and crops in the workers; its detector's calls (the cascade,
     # and O-Net following a face) run in the device process
-    from tests.precache.processing.video_device_pipeline import rows_of
+    from tests.precache.processing.video_device_pipeline import DETECT_SIZE, rows_of
 
     got, expected = rows_of(video_runs.staged_cache), rows_of(video_runs.plain_cache)
     assert [r["key"] for r in got] == [r["key"] for r in expected] and len(got) >= 12
@@ -157,6 +158,9 @@ def test_a_video_ops_detector_runs_in_the_device_stage_and_the_cache_is_the_same
     ran = video_runs.staged_ran
     assert len(ran["setup"]) == 1 and ran["detect"] == ran["refine"] == ran["setup"]
     assert os.getpid() not in ran["setup"]
+    # what crossed to it: frames shrunk to detect_size (the videos are 320 px wide), O-Net's
+    # 48 px patches to follow a face (not the frame)
+    assert video_runs.staged_sent == {"detect": DETECT_SIZE, "refine": 48}
     assert os.getpid() in video_runs.plain_ran["detect"]  # without the stage, the workers detect
     device = video_runs.staged.stages.device
     assert device is not None and device.batches > 0 and video_runs.plain.stages.device is None
@@ -183,10 +187,11 @@ def test_a_failing_call_batched_with_other_workers_calls_fails_only_its_own() ->
     from tests.precache.processing.video_device_pipeline import BROKEN, make_ops
 
     op = make_ops()[0]
-    op.detect.setup()
+    op.detect.nets.setup()
     face, broken = skdata.astronaut(), np.zeros((*BROKEN, 3), np.uint8)
-    target = (0, "detect", "detect_many")
-    replies = run_batch({0: op}, [(target, [(face,)]), (target, [(broken,), (face,)])])
+    target = (0, "detect.nets", "detect")
+    replies = run_batch({0: op}, [(target, [(face, 20.0)]),
+                                  (target, [(broken, 20.0), (face, 20.0)])])
     assert replies[0][0] == "ok" and len(replies[0][1]) == 1 and len(replies[0][1][0][0]) >= 1
     assert replies[1] == ("error", "DetectorFault", "cannot detect on 128x96 frames")
 
