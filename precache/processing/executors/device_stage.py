@@ -308,13 +308,24 @@ class DeviceStage:
         self.process.join()
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (not gone, not a zombie): from ``/proc`` (Linux)."""
+def _alive(pid: int, proc: str = "/proc") -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie): from ``proc`` (``/proc``, Linux);
+    on a platform without it, whether ``os.kill(pid, 0)`` finds the process (a zombie then
+    reads as alive: the device worker's parent also watches its exit code,
+    ``DeviceStage.died``)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
+        with open(f"{proc}/{pid}/stat", "rb") as stat:
             return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
+        if os.path.isdir(proc):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
 
 
 class DeviceClient:

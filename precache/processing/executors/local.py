@@ -163,7 +163,9 @@ def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterat
             init_worker(config, client)
             todo, results, procs = _start_children(
                 context, tasks, config, [stage.client(k + 1) for k in range(children)])
-        client.watch = lambda: _died(procs)  # while this process waits for the device
+        # while this process waits for the device: the workers, and the device worker's exit
+        # code (its liveness by pid cannot tell a dead child from a live one without /proc)
+        client.watch = lambda: _died(procs) or stage.died()
         for result in _collect(tasks, todo, results, procs, stage.died):
             result.device_stats = stage.snapshot()
             yield result

@@ -87,6 +87,17 @@ def test_the_calling_process_stops_waiting_for_the_device_when_a_worker_died() -
         client.call(1, [{"key": "a", "data": b"a"}])
 
 
+def test_without_proc_a_live_process_is_found_by_a_signal_0(tmp_path: Path) -> None:
+    # on a platform without /proc (macOS), reading it made every wait see a dead device process
+    from precache.processing.executors.device_stage import _alive
+
+    missing = str(tmp_path / "proc")  # as /proc where there is none
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert _alive(os.getpid(), missing) and _alive(os.getpid())
+    assert not _alive(gone.pid, missing) and not _alive(gone.pid)
+
+
 def test_a_value_that_cannot_be_pickled_fails_its_sample_not_the_run(tmp_path: Path) -> None:
     inputs = make_inputs(tmp_path / "in")
     (inputs / "to.txt").write_text("unsendable")
