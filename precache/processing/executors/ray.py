@@ -17,9 +17,9 @@ as a file or module imports in them as it does in the driver; on a cluster, ever
 precache and the pipeline's packages installed, and those folders at the same paths.
 
 With a device stage (``device_stage``), the ops that declare it run in a pool of device actors
-(one per GPU of the cluster, each asking Ray for a GPU; one without GPUs), which the worker
-actors call: each device actor runs the batches that reach it together, as the local device
-stage does (``precache.processing.executors.device_stage``), device parts' method calls too.
+(one per GPU of the cluster, each asking Ray for a GPU, up to one per worker actor; one without
+GPUs), which the worker actors call: each device actor runs the batches that reach it together,
+as the local device stage does (``precache.processing.executors.device_stage``), device parts' method calls too.
 
 Ray is imported only here and only when this executor runs: ``pip install 'precache[ray]'``.
 """
@@ -181,15 +181,23 @@ class RayDeviceClient:
             raise WorkerDied(f"a device actor died:\n{e}") from None
 
 
+def device_actors(gpus: int, workers: int) -> int:
+    """How many device actors a run starts: one per GPU of the cluster, but no more than its
+    worker actors (each worker calls one device actor, so a GPU beyond them would hold a model
+    and wait for nothing), and one without GPUs."""
+    return max(1, min(gpus, workers))
+
+
 def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_path: list[str],
                  workers: int) -> list[Any]:
-    """One device actor per GPU of the cluster, each with one GPU (one actor, none, without
-    GPUs: it then shares the CPUs, asking for none of them)."""
+    """``device_actors`` device actors, each with one GPU (one actor, without GPUs: it then
+    shares the CPUs, asking for none of them)."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actor_class = ray.remote(DeviceActor).options(
         num_cpus=0, num_gpus=1 if gpus else 0, max_restarts=0, max_task_retries=0,
         max_concurrency=workers + 1)
-    return [actor_class.remote(config, env, python_path) for _ in range(max(1, gpus))]
+    return [actor_class.remote(config, env, python_path)
+            for _ in range(device_actors(gpus, workers))]
 
 
 def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
@@ -295,7 +303,8 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
             starts a local Ray for this run and stops it at the end. If this process is already
             connected to Ray (``ray.init`` was called), that connection is used and kept.
         device_stage: the ops that declare ``device_stage`` run in a pool of device actors
-            (one per GPU); each result then carries their counters.
+            (one per GPU, at most one per worker actor: ``device_actors``); each result then
+            carries their counters.
 
     Raises:
         WorkerDied: an actor could not set up the ops, a task raised outside any one input (e.g.
