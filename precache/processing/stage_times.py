@@ -8,10 +8,29 @@ the run's summary lists them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["StageTimes"]
+__all__ = ["StageTimes", "stage_names", "READ", "STORE"]
+
+READ, STORE = "read", "store"
+"""The stages before and after the ops: reading an input's bytes (and hashing them), and
+checking rows and writing the shard."""
+
+
+def stage_names(op_names: Sequence[str]) -> list[str]:
+    """Each op's stage, by position: its name, or where an earlier stage has that name (two
+    ``crop_face`` ops, an op named ``read``), the name with ``#2``, ``#3``...
+    (``crop_face#2``), so every op has its own line and two ops of one name do not share one."""
+    taken, stages = {READ, STORE}, []
+    for name in op_names:
+        stage, k = name, 1
+        while stage in taken:
+            k += 1
+            stage = f"{name}#{k}"
+        taken.add(stage)
+        stages.append(stage)
+    return stages
 
 
 class StageTimes:

@@ -23,6 +23,7 @@ from precache.cache.formats import ShardInfo, get_format
 from precache.cache.schema import ColumnSpec, infer_spec, rows_to_columns, schema_to_json
 from precache.processing.ops.base import Op, Sample, Skip
 from precache.processing.pipeline import Pipeline, load_pipeline
+from precache.processing.stage_times import READ, STORE, stage_names
 from precache.storage.hashing import hash_bytes
 from precache.threads import pin_threads
 
@@ -82,7 +83,8 @@ class TaskResult:
     device_stats: Any = None  # the device stage's counters (``DeviceStats``), where it runs
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds this task spent in each stage, in pipeline order: ``read`` (the inputs' bytes
-    and their hash), each op by name, ``store`` (checking rows and writing the shard)."""
+    and their hash), each op by position (``stage_times.stage_names``: its name, with ``#2``
+    where a name repeats), ``store`` (checking rows and writing the shard)."""
 
 
 def new_record(item: Input) -> dict[str, Any]:
@@ -160,8 +162,9 @@ def _call_op(op: Op, samples: list[Sample]) -> list[Any]:
 
 def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
              ops: list[Op], seconds: dict[str, float]) -> list[tuple[int, Sample]]:
-    """Pass samples through the ops, updating ``records`` and each op's ``seconds``; return
-    the surviving rows."""
+    """Pass samples through the ops, updating ``records`` and each op's ``seconds`` (under its
+    stage: ``stage_names``); return the surviving rows."""
+    stages = stage_names([op.name for op in ops])
     live = samples
     skipped: dict[int, tuple[str, str]] = {}
     for position, op in enumerate(ops):
@@ -171,7 +174,7 @@ def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
         batch = [s for _, s in live]
         results = (_device.call(position, batch) if position in _delegated
                    else _call_op(op, batch))
-        _add_time(seconds, op.name, started)
+        _add_time(seconds, stages[position], started)
         next_live: list[tuple[int, Sample]] = []
         for (i, sample), result in zip(live, results):
             if records[i]["status"] == "failed":
@@ -271,7 +274,8 @@ def run_task(task: Task) -> TaskResult:
     index = {item.key: i for i, item in enumerate(task.inputs)}
     rows: list[Sample] = []
     schema: dict[str, ColumnSpec] | None = None
-    seconds: dict[str, float] = {"read": 0.0, **{op.name: 0.0 for op in _ops}, "store": 0.0}
+    stages = stage_names([op.name for op in _ops])
+    seconds: dict[str, float] = {READ: 0.0, **{stage: 0.0 for stage in stages}, STORE: 0.0}
     for start in range(0, len(task.inputs), config.batch_size):
         batch: list[tuple[int, Sample]] = []
         started = time.perf_counter()
@@ -286,12 +290,12 @@ def run_task(task: Task) -> TaskResult:
                 batch.append((i, {"key": item.key, "source_key": item.key,
                                   "source_hash": records[i]["source_hash"],
                                   "locator": item.locator, "data": data}))
-        _add_time(seconds, "read", started)
+        _add_time(seconds, READ, started)
         produced = [{k: v for k, v in row.items() if k not in NOT_STORED}
                     for _, row in _run_ops(batch, records, _ops, seconds)]
         started = time.perf_counter()
         valid, schema = _validate(produced, records, index, schema)
-        _add_time(seconds, "store", started)
+        _add_time(seconds, STORE, started)
         rows.extend(valid)
         if config.fail_fast:
             failed = next((r for r in records if r["status"] == "failed"), None)
@@ -300,6 +304,6 @@ def run_task(task: Task) -> TaskResult:
                                   stage_seconds=seconds)
     started = time.perf_counter()
     result = _commit(task, rows, schema, records, index, config)
-    _add_time(seconds, "store", started)
+    _add_time(seconds, STORE, started)
     result.stage_seconds = seconds
     return result

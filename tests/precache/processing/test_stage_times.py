@@ -11,7 +11,7 @@ from pathlib import Path
 import precache
 from precache.processing.ops import FunctionOp
 from precache.processing.pipeline import Pipeline
-from precache.processing.stage_times import StageTimes
+from precache.processing.stage_times import StageTimes, stage_names
 
 SLEEP_S = 0.02
 
@@ -53,6 +53,32 @@ def test_each_stage_is_timed_in_order_and_the_slowest_is_named(tmp_path: Path) -
     # every input slept in the first op, whichever process ran it
     assert stages.seconds["wait_a_little"] >= 6 * SLEEP_S
     assert stages.describe().startswith("read ")
+
+
+def make_twice() -> list:
+    return [FunctionOp(keep_going_first), FunctionOp(wait_a_little), FunctionOp(wait_a_little)]
+
+
+def keep_going_first(sample: dict) -> dict:
+    sample["size"] = len(sample["data"])
+    return sample
+
+
+twice = Pipeline(name="timed-twice", make_ops=make_twice, extensions=(".txt",),
+                 description="one slow op, twice")
+
+
+def test_two_ops_of_one_name_each_have_their_own_line(tmp_path: Path) -> None:
+    # stages are kept by position: the second wait_a_little is not added to the first's
+    inputs = _inputs(tmp_path / "in", 3)
+    summary = precache.run("tests.precache.processing.test_stage_times:twice", inputs,
+                           tmp_path / "cache", workers=1, progress=False, log=lambda *_: None)
+    seconds = summary.stages.seconds
+    assert list(seconds) == ["read", "keep_going_first", "wait_a_little", "wait_a_little#2",
+                             "store"]
+    assert seconds["wait_a_little"] >= 3 * SLEEP_S and seconds["wait_a_little#2"] >= 3 * SLEEP_S
+    assert stage_names(["crop", "read", "crop", "crop#2", "crop"]) == [
+        "crop", "read#2", "crop#2", "crop#2#2", "crop#3"]
 
 
 def test_the_shares_and_times_per_input_add_up() -> None:
