@@ -2,7 +2,7 @@
 photos and video, with the workers of a real run, against MTCNN in the same run.
 
     .venv/bin/python tests/benchmarks/bench_detectors_run.py [--count 300] [--videos 8]
-        [--workers 2] [--repeat 2]
+        [--workers 2] [--repeat 2] [--no-variants]
 
 1. ``faces`` on ``--count`` photos of ``data/make_samples.py`` (640 px and smaller: real faces
    from scikit-image and matplotlib, groups, face-less photos), ``--workers`` processes, into a
@@ -12,9 +12,14 @@ photos and video, with the workers of a real run, against MTCNN in the same run.
 2. ``video-faces`` on ``--videos`` generated videos (``data/make_videos.py``: 320 x 240, 15 fps,
    moving and crossing faces) the same way: sampled frames/s (``frames=32`` a video).
 
-Runs alternate (mtcnn, blazeface, mtcnn, ...) and the best of ``--repeat`` is kept: a busy
+With ``--variants`` (default), BlazeFace also runs with the opt-in speed settings the built-in
+pipelines do not expose yet (``tests/benchmarks/face_variants.py``): ``mesh_roi=landmarks``
+(``FaceMesh(roi="landmarks")``: the mesh placed by the detector's points, without MediaPipe's
+face detector) and, for photos, ``tile=0`` as well (one BlazeFace pass a photo, no tiles).
+
+Runs alternate (mtcnn, blazeface, ..., mtcnn, ...) and the best of ``--repeat`` is kept: a busy
 machine only makes a run slower. Each line also gives where a worker's time went
-(``RunSummary.stages``). The ratios are the goal's: blazeface's rate over MTCNN's, same run.
+(``RunSummary.stages``). The ratios are the goal's: each row's rate over MTCNN's, same run.
 """
 
 from __future__ import annotations
@@ -33,20 +38,29 @@ if str(ROOT) not in sys.path:
 import precache  # noqa: E402
 
 DETECTORS = ("mtcnn", "blazeface")
+VARIANTS = {  # row label -> (pipeline of face_variants.py, its extra parameters)
+    "faces": {"blazeface, mesh_roi=landmarks": ("faces", {"mesh_roi": "landmarks"}),
+              "blazeface, mesh_roi=landmarks, tile=0": ("faces", {"mesh_roi": "landmarks",
+                                                                  "tile": 0})},
+    "video-faces": {"blazeface, mesh_roi=landmarks": ("video_faces", {"mesh_roi": "landmarks"})},
+}
 
 
 def best_runs(pipeline: str, inputs: Path, work: Path, workers: int, repeat: int,
-              params: dict) -> dict[str, precache.processing.RunSummary]:
-    """The fastest of ``repeat`` fresh runs of each detector, alternating."""
+              params: dict, variants: bool) -> dict[str, precache.processing.RunSummary]:
+    """The fastest of ``repeat`` fresh runs of each detector (and variant), alternating."""
+    rows: dict[str, tuple[str, dict]] = {d: (pipeline, {"detector": d}) for d in DETECTORS}
+    for label, (name, extra) in (VARIANTS[pipeline] if variants else {}).items():
+        rows[label] = (f"tests.benchmarks.face_variants:{name}", {"detector": "blazeface", **extra})
     best: dict[str, precache.processing.RunSummary] = {}
     for _ in range(repeat):
-        for detector in DETECTORS:
-            out = work / f"{pipeline}-{detector}"
+        for k, (label, (ref, extra)) in enumerate(rows.items()):
+            out = work / f"{pipeline}-{k}"
             shutil.rmtree(out, ignore_errors=True)
-            summary = precache.run(pipeline, inputs, out, workers=workers, progress=False,
-                                   log=lambda *_: None, params={**params, "detector": detector})
-            if detector not in best or summary.wall_s < best[detector].wall_s:
-                best[detector] = summary
+            summary = precache.run(ref, inputs, out, workers=workers, progress=False,
+                                   log=lambda *_: None, params={**params, **extra})
+            if label not in best or summary.wall_s < best[label].wall_s:
+                best[label] = summary
     return best
 
 
@@ -67,6 +81,8 @@ def main() -> None:
     parser.add_argument("--videos", type=int, default=8, help="generated videos (even)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--no-variants", dest="variants", action="store_false",
+                        help="only the built-in pipelines (mtcnn, blazeface)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pc-detectors-") as temp:
         work = Path(temp)
@@ -77,11 +93,11 @@ def main() -> None:
                         str(work / "videos"), "--per-label", str(max(1, args.videos // 2))],
                        check=True, capture_output=True)
         photos = best_runs("faces", work / "photos", work, args.workers, args.repeat,
-                           {"size": 128, "labels": "none"})
+                           {"size": 128, "labels": "none"}, args.variants)
         report(f"faces, {args.count} photos, {args.workers} workers, best of {args.repeat}",
                "inputs", photos)
         videos = best_runs("video-faces", work / "videos", work, args.workers, args.repeat,
-                           {"size": 128, "frames": 32, "labels": "none"})
+                           {"size": 128, "frames": 32, "labels": "none"}, args.variants)
         report(f"video-faces, {args.videos} videos x 32 sampled frames, {args.workers} workers, "
                f"best of {args.repeat}", "frames", videos, per_input=32)
 

@@ -150,6 +150,7 @@ class FaceMesh(Op):
         graph.observe_output_stream("landmarks", lambda _, packet: self._found.__setitem__(
             "landmarks", packet), True)
         graph.start_run({})
+        graph.wait_until_idle()  # its calculators open (and log) on its own thread
         return graph
 
     def _region(self, sample: Sample, width: int, height: int) -> Any:
