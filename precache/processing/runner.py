@@ -35,7 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from precache.processing.executors import WorkerDied, require_ray, run_tasks, run_tasks_ray
-from precache.processing.executors.device_stage import device_ops
+from precache.processing.executors.device_stage import device_gpus, device_ops
 from precache.processing.plan import DEFAULT_SHARD_ROWS, classify, make_tasks
 from precache.processing.records import escape_name
 from precache.processing.sources import DEFAULT_MAX_INPUT_BYTES, check_max_input_bytes, list_inputs
@@ -177,10 +177,12 @@ def run(
             inputs changed meanwhile, or the other run died, it computes what is left. Works
             for local caches (a ``flock``) and remote ones (the writer lease, tried every 5 s).
         device_stage: run the ops that declare ``device_stage`` (a face detector on a GPU) in
-            one process for all workers, which runs every worker's batches together while the
-            workers decode and crop (``executors.device_stage``). ``None`` (default): when an
-            op declares it; ``False``: every worker runs every op; ``True``: required (an error
-            if no op declares it). On Ray: a pool of device actors, one per GPU.
+            a device process shared by the workers, which runs their batches together while
+            they decode and crop (``executors.device_stage``): one per GPU the ops may use
+            (all that torch sees for ``device=cuda``/``auto``, the one of ``cuda:K``), bound
+            to it, at most one per worker. ``None`` (default): when an op declares it;
+            ``False``: every worker runs every op; ``True``: required (an error if no op
+            declares it). On Ray: a pool of device actors, one per GPU.
 
     Returns:
         A ``RunSummary``.
@@ -212,6 +214,9 @@ def run(
     fp = fingerprint(descriptions, format)
     inputs = list_inputs(input, pipeline.extensions, exclude=_own_files(output))
     workers = stage1_workers() if workers is None else max(1, workers)
+    # the local run's device processes: the GPU each is bound to (torch is asked here, once)
+    gpus = (device_gpus([built[i] for i in on_device], workers)
+            if staged and executor == "local" else [None])
     transaction = WriteTransaction(output, pipeline=pipeline.name, fingerprint=fp,
                                    overwrite=overwrite, log=log, retention_s=retention_s,
                                    wait_s=wait_s)
@@ -235,7 +240,7 @@ def run(
                               device_ops=tuple(on_device) if staged else ())
         results = (run_tasks_ray(tasks, config, ray_workers, address=ray_address,
                                  device_stage=staged)
-                   if executor == "ray" else run_tasks(tasks, config, workers, staged))
+                   if executor == "ray" else run_tasks(tasks, config, workers, staged, gpus))
         stages = StageTimes()
         written = commit_results(tx, results, kept, len(todo), progress, again="command",
                                  stages=stages)

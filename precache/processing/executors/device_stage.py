@@ -23,25 +23,36 @@ patches)``) and returns one result per item, so calls batch by joining their lis
 is sent is what its networks read (``FaceNets``: an image shrunk to ``detect_size``, O-Net's
 48 px patches), so little crosses the process boundary.
 
-How busy the device worker is (its share of the run's time), its average batch and the queue's
-fill are shared through a small array, for the progress bar and the run's summary.
+On a node with several GPUs the run starts one device worker per GPU (``DevicePool``), no
+more than its workers (``device_processes``), each bound to its GPU by ``CUDA_VISIBLE_DEVICES``
+in the environment it is spawned with (so its ``cuda`` is that GPU, whenever torch starts CUDA
+there); worker ``w`` sends its requests to device worker ``w % G``. An op pinned to one GPU
+(``device=cuda:1``) gets one device worker, not rebound.
+
+How busy each device worker is (its share of the run's time), its average batch and the queue's
+fill are shared through a small array, for the progress bar and the run's summary (over several
+device workers: the busy share averaged, batches and samples summed, ``DeviceStats.combined``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from precache.processing.executors.local import WorkerDied, _die_with_parent
 from precache.processing.ops.base import Op, Sample, Skip
 
-__all__ = ["DeviceStage", "DeviceClient", "DeviceStats", "DevicePart", "device_ops", "served_ops",
-           "run_batch", "restored", "part_results", "attach_parts", "MAX_BATCH"]
+__all__ = ["DeviceStage", "DevicePool", "DeviceClient", "DeviceStats", "DevicePart", "device_ops",
+           "served_ops", "run_batch", "restored", "part_results", "attach_parts", "MAX_BATCH",
+           "one_per_gpu", "device_processes", "visible_gpus", "device_gpus", "op_device"]
 
 MAX_BATCH = 64
 """The most samples (or items of a part's method) the device worker runs in one call (several
@@ -58,6 +69,74 @@ _BUSY, _BATCHES, _SAMPLES, _WAITING, _STARTED = range(5)
 def device_ops(ops: list[Op]) -> list[int]:
     """Positions of the ops that run in the device worker (whole, or their ``device_parts``)."""
     return [i for i, op in enumerate(ops) if getattr(op, "device_stage", False)]
+
+
+def one_per_gpu(gpus: int, workers: int) -> int:
+    """How many device workers (processes, or Ray device actors) a run starts: one per GPU, but
+    no more than its workers (each worker calls one, so a GPU beyond them would hold a model and
+    wait for nothing), and one without GPUs."""
+    return max(1, min(gpus, workers))
+
+
+def _any_gpu(device: str | None) -> bool:
+    """Whether an op told ``device`` may run on whichever GPU its process sees (``auto``,
+    ``cuda``; ``None``: an op that does not say), not on a given one (``cuda:1``) or the CPU."""
+    return device in (None, "auto", "cuda")
+
+
+def device_processes(devices: Sequence[str | None], gpus: int, workers: int) -> int:
+    """How many device processes a local run starts, given its device ops' ``devices``
+    (``op_device``), the ``gpus`` this process sees and the run's ``workers``: one per GPU
+    (``one_per_gpu``) where every device op may use any GPU, else one (an op pinned to
+    ``cuda:K``, or on the CPU)."""
+    if not all(_any_gpu(device) for device in devices):
+        return 1
+    return one_per_gpu(gpus, workers)
+
+
+def _cuda_device_count() -> int:
+    """CUDA GPUs torch sees here; 0 without torch, or on Linux without NVIDIA's driver files
+    (then without importing torch)."""
+    if sys.platform.startswith("linux") and not (
+            Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count())
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` names them (its entries where it
+    is set, else ``0``, ``1``, ...): what binds a device process to one of them."""
+    count = _cuda_device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = ([name.strip() for name in listed.split(",")] if listed is not None
+             else [str(k) for k in range(count)])
+    return names[:count]
+
+
+def device_gpus(ops: Sequence[Op], workers: int) -> list[str | None]:
+    """One entry per device process of a local run with device ops ``ops``: the GPU it is
+    bound to (its ``CUDA_VISIBLE_DEVICES``), or ``None`` (one process, not bound: no GPU, or an
+    op pinned to ``cuda:K`` or the CPU, where torch is not asked)."""
+    devices = [op_device(op) for op in ops]
+    if not all(_any_gpu(device) for device in devices):
+        return [None]
+    gpus = visible_gpus()
+    return list(gpus[:device_processes(devices, len(gpus), workers)]) or [None]
+
+
+def op_device(op: Op) -> str | None:
+    """Where a device op was told to run (``auto``, ``cuda``, ``cuda:1``, ``cpu``): its
+    ``device``, or that of the object holding one of its device parts (``VideoFaces``:
+    ``detect.device``); ``None`` where it does not say."""
+    for holder in [op, *(_owner(op, part)[0] for part in parts_of(op))]:
+        device = getattr(holder, "device", None)
+        if isinstance(device, str):
+            return device
+    return None
 
 
 def parts_of(op: Op) -> dict[str, tuple[str, ...]]:
@@ -92,14 +171,27 @@ class DeviceStats:
     samples: int
     waiting: float
     age_s: float
+    processes: int = 1
+    """Device workers counted (``combined``)."""
+
+    @classmethod
+    def combined(cls, found: Sequence[DeviceStats]) -> DeviceStats:
+        """Several device workers' counters as one: the busy share averaged over them (as
+        ``busy_s`` of the oldest's age), batches, samples and waiting requests summed."""
+        age = max(f.age_s for f in found)
+        share = sum(f.busy_s / f.age_s if f.age_s > 0 else 0.0 for f in found) / len(found)
+        return cls(share * age, sum(f.batches for f in found), sum(f.samples for f in found),
+                   sum(f.waiting for f in found), age, sum(f.processes for f in found))
 
     def describe(self) -> str:
-        """One line: ``"device stage busy 83% (12.0 samples a batch, 1.4 batches waiting)"``."""
+        """One line: ``"device stage busy 83% (12.0 samples a batch, 1.4 batches waiting)"``;
+        over several device workers ``"... busy 83% (mean of 2 device processes; ..."``."""
         if not self.batches:
             return "device stage: no batch yet"
         busy = 100 * self.busy_s / self.age_s if self.age_s > 0 else 0.0
-        return (f"device stage busy {busy:.0f}% ({self.samples / self.batches:.1f} samples a "
-                f"batch, {self.waiting / self.batches:.1f} batches waiting)")
+        several = f"mean of {self.processes} device processes; " if self.processes > 1 else ""
+        return (f"device stage busy {busy:.0f}% ({several}{self.samples / self.batches:.1f} "
+                f"samples a batch, {self.waiting / self.batches:.1f} batches waiting)")
 
 
 def _remote_error(kind: str, message: str) -> Exception:
@@ -187,9 +279,10 @@ def part_results(reply: tuple) -> list[Any]:
     return reply[1]
 
 
-def _device_main(config: Any, requests: Any, responses: list[Any], stats: Any,
+def _device_main(config: Any, requests: Any, responses: dict[int, Any], stats: Any,
                  parent_pid: int) -> None:
-    """Body of the device worker: set up the device ops once, then serve batches until ``None``."""
+    """Body of the device worker: set up the device ops once, then serve batches until ``None``
+    (``responses``: the queue back to each worker it serves, by worker number)."""
     from precache.threads import pin_threads
 
     _die_with_parent(parent_pid)
@@ -257,27 +350,34 @@ def _sendable(value: Any, where: str) -> Any:
 
 
 class DeviceStage:
-    """The device worker process of a run, and the queues to and from it (one per worker).
+    """One device worker process of a run, and the queues to it and back to its workers.
 
     Args:
         context: the multiprocessing context (spawn).
         config: the run's ``WorkerConfig``.
-        workers: worker processes that send it batches, the calling process included.
+        workers: the numbers of the workers that send it batches (the calling process is 0).
+        gpu: the GPU it is bound to (its ``CUDA_VISIBLE_DEVICES``), or ``None``: the caller's.
     """
 
-    def __init__(self, context: Any, config: Any, workers: int) -> None:
-        self.requests = context.Queue(maxsize=max(1, workers))
+    def __init__(self, context: Any, config: Any, workers: Sequence[int],
+                 gpu: str | None = None) -> None:
+        self.gpu = gpu
+        self.requests = context.Queue(maxsize=max(1, len(workers)))
         # a request of this process (worker 0) still in the pipe when the device worker dies
         # must not block this process's exit (the pipe has no reader left)
         self.requests.cancel_join_thread()
-        self.responses = [context.Queue() for _ in range(workers)]
+        self.responses = {worker: context.Queue() for worker in workers}
         self.stats = context.Array("d", 5)
         self.process = context.Process(
             target=_device_main, args=(config, self.requests, self.responses, self.stats,
                                        os.getpid()), daemon=True)
 
     def start(self) -> None:
-        self.process.start()
+        """Start the process, bound to ``gpu`` from its first instruction: the variable is in
+        the environment it is spawned with, so even a torch imported while its arguments are
+        unpickled (a pipeline module importing torch) starts CUDA on that GPU alone."""
+        with _environment("CUDA_VISIBLE_DEVICES", self.gpu):
+            self.process.start()
 
     def client(self, worker: int) -> DeviceClient:
         """What worker ``worker`` calls the device ops through."""
@@ -295,17 +395,86 @@ class DeviceStage:
         return None if code in (None, 0) else (f"the device stage process {self.process.pid} "
                                                f"died with exit code {code}")
 
-    def stop(self) -> None:
-        """Ask it to finish (after the batches already sent), then make sure it is gone."""
+    def ask_to_stop(self) -> None:
+        """Ask it to finish after the batches already sent (``stop`` then waits)."""
         if self.process.is_alive():
             try:
                 self.requests.put(None, timeout=_POLL_S)
             except queue.Full:
                 pass
+
+    def stop(self, asked: bool = False) -> None:
+        """Ask it to finish (after the batches already sent; ``asked``: done already), then
+        make sure it is gone."""
+        if not asked:
+            self.ask_to_stop()
+        if self.process.is_alive():
             self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` in this process's environment for a block (``None``: left as
+    it is), so that a process spawned in it inherits the value; restored after."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+class DevicePool:
+    """A local run's device workers: one per entry of ``gpus`` (``device_gpus``), each bound to
+    that GPU, at most one per worker; worker ``w`` is served by device worker ``w % len``, so
+    each has ``workers / len`` workers with one request in flight each.
+
+    Args:
+        context: the multiprocessing context (spawn).
+        config: the run's ``WorkerConfig``.
+        workers: worker processes that send batches, the calling process (worker 0) included.
+        gpus: one entry per device worker: its GPU, or ``None`` (not bound).
+    """
+
+    def __init__(self, context: Any, config: Any, workers: int,
+                 gpus: Sequence[str | None] = (None,)) -> None:
+        bound = list(gpus) or [None]
+        count = max(1, min(len(bound), workers))
+        self.stages = [DeviceStage(context, config, range(k, max(workers, 1), count), bound[k])
+                       for k in range(count)]
+
+    def start(self) -> None:
+        for stage in self.stages:
+            stage.start()
+
+    def client(self, worker: int) -> DeviceClient:
+        """What worker ``worker`` calls the device ops through: its device worker's client."""
+        return self.stages[worker % len(self.stages)].client(worker)
+
+    def snapshot(self) -> DeviceStats:
+        """The device workers' counters together (``DeviceStats.combined``)."""
+        found = [stage.snapshot() for stage in self.stages]
+        return found[0] if len(found) == 1 else DeviceStats.combined(found)
+
+    def died(self) -> str | None:
+        """Why a device worker is gone, if one is (the run needs every one)."""
+        return next((why for stage in self.stages if (why := stage.died())), None)
+
+    def stop(self) -> None:
+        """Ask every device worker to finish, then make sure each is gone."""
+        for stage in self.stages:
+            stage.ask_to_stop()
+        for stage in self.stages:
+            stage.stop(asked=True)
 
 
 def _alive(pid: int, proc: str = "/proc") -> bool:

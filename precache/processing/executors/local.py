@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from precache.errors import RunError
 from precache.processing.worker import (Task, TaskResult, WorkerConfig, WorkerDied, init_worker,
@@ -101,20 +101,23 @@ def largest_first(tasks: list[Task]) -> list[Task]:
 
 
 def run_tasks(tasks: list[Task], config: WorkerConfig, workers: int,
-              device_stage: bool = False) -> Iterator[TaskResult]:
+              device_stage: bool = False,
+              gpus: Sequence[str | None] = (None,)) -> Iterator[TaskResult]:
     """Run ``tasks`` with ``workers`` processes in all (this one included); yield each result.
 
     In one process tasks go in key order (so ``--fail-fast`` stops at the first failing input);
     with more they go largest first (by input bytes) so that no big task starts last.
-    ``device_stage``: the ops that declare ``device_stage`` run in one more process for all
-    workers (``device_stage.DeviceStage``); each result then carries its counters.
+    ``device_stage``: the ops that declare ``device_stage`` run in device processes shared by
+    the workers (``device_stage.DevicePool``): one per entry of ``gpus``
+    (``device_stage.device_gpus``: the GPU each is bound to, or ``None``), at most one per
+    worker; each result then carries their counters.
 
     Raises:
         WorkerDied: a spawned worker or the device stage died (killed, out of memory, a crash
             in native code) or could not set up its ops.
     """
     if device_stage and tasks:
-        yield from _run_staged(tasks, config, workers)
+        yield from _run_staged(tasks, config, workers, gpus)
         return
     children = min(workers - 1, len(tasks) - 1)
     with threads_pinned():  # spawned children inherit this one-thread environment
@@ -146,31 +149,33 @@ def _start_children(context: Any, tasks: list[Task], config: WorkerConfig,
     return todo, results, procs
 
 
-def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int) -> Iterator[TaskResult]:
-    """``run_tasks`` with a device stage: started first (it loads the device ops' models while
-    the workers load theirs), stopped last; each result carries its counters."""
-    from precache.processing.executors.device_stage import DeviceStage
+def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int,
+                gpus: Sequence[str | None]) -> Iterator[TaskResult]:
+    """``run_tasks`` with device processes: started first (they load the device ops' models
+    while the workers load theirs), stopped last; each result carries their counters."""
+    from precache.processing.executors.device_stage import DevicePool
 
     children = max(0, min(workers - 1, len(tasks) - 1))
     context = multiprocessing.get_context("spawn")
     with threads_pinned():
-        stage = DeviceStage(context, config, children + 1)
+        pool = DevicePool(context, config, children + 1, gpus)
         with _children_ignore_ctrl_c():
-            stage.start()
+            pool.start()
     try:  # this process sets up first, as without a stage: if that fails, no worker is left
         with threads_pinned():
-            client = stage.client(0)
+            client = pool.client(0)
             init_worker(config, client)
             todo, results, procs = _start_children(
-                context, tasks, config, [stage.client(k + 1) for k in range(children)])
-        # while this process waits for the device: the workers, and the device worker's exit
-        # code (its liveness by pid cannot tell a dead child from a live one without /proc)
-        client.watch = lambda: _died(procs) or stage.died()
-        for result in _collect(tasks, todo, results, procs, stage.died):
-            result.device_stats = stage.snapshot()
+                context, tasks, config, [pool.client(k + 1) for k in range(children)])
+        # while this process waits for the device: the workers, and the device processes' exit
+        # codes (their liveness by pid cannot tell a dead child from a live one without /proc;
+        # one this process does not call is dead too)
+        client.watch = lambda: _died(procs) or pool.died()
+        for result in _collect(tasks, todo, results, procs, pool.died):
+            result.device_stats = pool.snapshot()
             yield result
     finally:
-        stage.stop()
+        pool.stop()
 
 
 def _died(procs: list[Any]) -> str | None:

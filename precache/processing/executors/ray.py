@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from precache.processing.executors.device_stage import (MAX_BATCH, DeviceStats, Target,
-                                                         _without_data, part_results, restored,
-                                                         run_batch, served_ops)
+                                                         _without_data, one_per_gpu, part_results,
+                                                         restored, run_batch, served_ops)
 from precache.processing.executors.local import WorkerDied, largest_first
 from precache.processing.worker import Task, TaskResult, WorkerConfig, init_worker, run_task
 from precache.errors import RunError
@@ -184,8 +184,9 @@ class RayDeviceClient:
 def device_actors(gpus: int, workers: int) -> int:
     """How many device actors a run starts: one per GPU of the cluster, but no more than its
     worker actors (each worker calls one device actor, so a GPU beyond them would hold a model
-    and wait for nothing), and one without GPUs."""
-    return max(1, min(gpus, workers))
+    and wait for nothing), and one without GPUs: ``device_stage.one_per_gpu``, as a local
+    run's device processes."""
+    return one_per_gpu(gpus, workers)
 
 
 def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_path: list[str],

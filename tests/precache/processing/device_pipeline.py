@@ -1,6 +1,9 @@
 """A test pipeline with a device op: ``on_device`` declares ``device_stage`` and stamps each
-sample with the process that ran it (``device_pid``); ``on_worker`` does the same after it
-(``worker_pid``). Inputs whose text starts with ``skip`` are skipped by the device op, ``fail``
+sample with the process that ran it (``device_pid``) and the GPU that process was bound to
+(``gpu``: its ``CUDA_VISIBLE_DEVICES``, ``""`` where unset); ``on_worker`` does the same after it
+(``worker_pid``). ``device`` is what the op says it runs on (``cpu`` by default: one device
+process; ``cuda``: one per GPU the run sees), though it always runs on the CPU; each process
+that sets it up is logged to ``$PRECACHE_DEVICE_SETUP`` as ``pid gpu``. Inputs whose text starts with ``skip`` are skipped by the device op, ``fail``
 raise ``ValueError`` there, and ``die`` kill the process running it (SIGKILL, as an OOM kill)
 unless the file ``marker`` exists (created first: it dies once)."""
 
@@ -36,12 +39,18 @@ class OnDevice(Op):
                 f.write(f"{os.getpid()}\n")
         return True
 
-    def __init__(self, *, marker: str = "") -> None:
-        self.marker = marker
+    def __init__(self, *, marker: str = "", device: str = "cpu") -> None:
+        self.marker, self.device = marker, device
 
     @property
     def params(self) -> dict[str, Any]:
         return {"marker": self.marker}
+
+    def setup(self) -> None:
+        log = os.environ.get("PRECACHE_DEVICE_SETUP")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {_gpu()}\n")
 
     def call_batch(self, samples: list[Sample]) -> list[Any]:
         results: list[Any] = []
@@ -59,8 +68,12 @@ class OnDevice(Op):
                                     value=np.float32(len(text)), fn=lambda: None))
             else:
                 results.append(dict(sample, device_pid=np.int64(os.getpid()),
-                                    value=np.float32(len(text))))
+                                    value=np.float32(len(text)), gpu=_gpu()))
         return results
+
+
+def _gpu() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
 class OnWorker(Op):
@@ -82,8 +95,8 @@ class Decode(Op):
         return dict(sample, text=text)
 
 
-def make_ops(marker: str = "") -> list[Op]:
-    return [Decode(), OnDevice(marker=marker), OnWorker()]
+def make_ops(marker: str = "", device: str = "cpu") -> list[Op]:
+    return [Decode(), OnDevice(marker=marker, device=device), OnWorker()]
 
 
 pipeline = Pipeline(name="device", make_ops=make_ops, extensions=(".txt",),
@@ -101,9 +114,16 @@ def make_inputs(folder: Path) -> Path:
 
 
 def rows_of(cache: Path) -> dict[str, tuple]:
-    """key -> (value, text, has_data, device_pid, worker_pid) of every row, in storage order."""
+    """key -> (value, text, has_data, device_pid, worker_pid, gpu) of every row, in storage
+    order."""
     data = CachedDataset(cache, columns=["key", "value", "text", "has_data", "device_pid",
-                                         "worker_pid"], resident=False)
+                                         "worker_pid", "gpu"], resident=False)
     rows = data.__getitems__(list(range(len(data))))
     return {r["key"]: (float(r["value"]), r["text"], bool(r["has_data"]), int(r["device_pid"]),
-                       int(r["worker_pid"])) for r in rows}
+                       int(r["worker_pid"]), str(r["gpu"])) for r in rows}
+
+
+def setups(log: Path) -> dict[int, str]:
+    """pid -> gpu of each process that set ``on_device`` up (``$PRECACHE_DEVICE_SETUP``)."""
+    pairs = [line.split(" ") for line in log.read_text().splitlines()] if log.exists() else []
+    return {int(pid): gpu for pid, gpu in pairs}

@@ -16,19 +16,42 @@ import numpy as np
 import pytest
 
 import precache
-from tests.precache.processing.device_pipeline import PIPELINE, QUIET, make_inputs, rows_of
+from tests.precache.processing.device_pipeline import (PIPELINE, QUIET, make_inputs, make_ops,
+                                                       rows_of, setups)
+
+TWO_GPUS = ("import sys; from precache.processing.executors import device_stage; "
+            "device_stage._cuda_device_count = lambda: 2; from precache.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+"""``precache`` as on a node where torch sees 2 GPUs (``CUDA_VISIBLE_DEVICES`` names them)."""
+
+
+@dataclass
+class PlainRun:
+    """The device pipeline's inputs, and its run without a device stage (each worker runs the
+    device op): the cache that staged runs must equal."""
+
+    inputs: Path
+    summary: Any
+    cache: Path
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> PlainRun:
+    root = tmp_path_factory.mktemp("plain_run")
+    inputs = make_inputs(root / "in")
+    summary = precache.run(PIPELINE, inputs, root / "plain", workers=2, shard_rows=3,
+                           device_stage=False, **QUIET)
+    return PlainRun(inputs, summary, root / "plain")
 
 
 def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    inputs = make_inputs(tmp_path / "in")
+        plain_run: PlainRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked = tmp_path / "asked.log"
     monkeypatch.setenv("PRECACHE_DEVICE_ASKED", str(asked))
-    staged = precache.run(PIPELINE, inputs, tmp_path / "staged", workers=2, shard_rows=3,
-                          **QUIET)
-    plain = precache.run(PIPELINE, inputs, tmp_path / "plain", workers=2, shard_rows=3,
-                         device_stage=False, **QUIET)
-    got, expected = rows_of(tmp_path / "staged"), rows_of(tmp_path / "plain")
+    staged = precache.run(PIPELINE, plain_run.inputs, tmp_path / "staged", workers=2,
+                          shard_rows=3, **QUIET)
+    plain = plain_run.summary
+    got, expected = rows_of(tmp_path / "staged"), rows_of(plain_run.cache)
     assert list(got) == list(expected) and len(got) == 10  # same keys, same order
     assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
     # one device process for both workers, not a worker; the worker op kept the raw bytes
@@ -51,20 +74,75 @@ def test_the_device_op_runs_in_one_process_and_the_cache_is_the_same(
 
 def test_a_killed_device_process_stops_the_run_in_one_line_and_a_rerun_resumes(
         tmp_path: Path) -> None:
+    # with two device processes (two GPUs, two workers), the one given "die here" is killed
     inputs = make_inputs(tmp_path / "in")
     (inputs / "zz.txt").write_text("die here")
-    cache, marker = tmp_path / "cache", tmp_path / "died"
-    command = [sys.executable, "-m", "precache", "run", PIPELINE, "-i", str(inputs), "-o",
-               str(cache), "-j", "2", "--shard-rows", "3", "-q", "--set", f"marker={marker}"]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    cache, marker, log = tmp_path / "cache", tmp_path / "died", tmp_path / "setup.log"
+    command = [sys.executable, "-c", TWO_GPUS, "run", PIPELINE, "-i", str(inputs), "-o",
+               str(cache), "-j", "2", "--shard-rows", "3", "-q", "--set", f"marker={marker}",
+               "--set", "device=cuda"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "5,7", "PRECACHE_DEVICE_SETUP": str(log)}
+    first = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert first.returncode == 1 and marker.exists()
+    assert sorted(setups(log).values()) == ["5", "7"]  # two device processes, one per GPU
     assert "device stage process" in first.stderr and "died" in first.stderr
     assert "re-run" in first.stderr and "Traceback" not in first.stderr
-    second = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert first.stderr.count("precache: error:") == 1
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True,
+                            env=env)
     reused = int(re.search(r"reused (\d+)", second.stdout)[1])
     assert 0 < reused < 13  # the shards the first run committed are kept, the rest computed
     rows = rows_of(cache)
     assert len(rows) == 11 and rows["zz.txt"][1] == "die here"
+
+
+def test_a_local_run_starts_a_device_process_per_gpu_but_not_more_than_its_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from precache.processing.executors import device_stage
+    from precache.processing.executors.device_stage import device_processes
+
+    for device in ("cuda", "auto", None):  # None: a device op that does not say
+        for gpus, workers, count in ((0, 1, 1), (0, 2, 1), (0, 8, 1), (1, 1, 1), (1, 2, 1),
+                                     (1, 8, 1), (4, 1, 1), (4, 2, 2), (4, 8, 4)):
+            assert device_processes([device], gpus, workers) == count, (device, gpus, workers)
+    assert device_processes(["cuda:1"], 4, 8) == 1  # pinned to one GPU: one, not rebound
+    assert device_processes(["cpu"], 4, 8) == device_processes(["cuda", "cuda:0"], 4, 8) == 1
+    # the processes' bindings: the GPUs as CUDA_VISIBLE_DEVICES names them
+    monkeypatch.setattr(device_stage, "_cuda_device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7,9")  # torch saw only 2 of them
+    ops = make_ops(device="cuda")
+    assert device_stage.device_gpus(ops[1:2], 8) == ["5", "7"]
+    assert device_stage.device_gpus(ops[1:2], 1) == ["5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert device_stage.device_gpus(ops[1:2], 8) == ["0", "1"]
+    ops[1].device = "cuda:1"  # as the user said: one process, its environment untouched
+    assert device_stage.device_gpus(ops[1:2], 8) == [None]
+
+
+def test_two_gpus_two_device_processes_each_bound_to_its_own_and_the_cache_is_the_same(
+        plain_run: PlainRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from precache.processing.executors import device_stage
+
+    log = tmp_path / "setup.log"
+    monkeypatch.setenv("PRECACHE_DEVICE_SETUP", str(log))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(device_stage, "_cuda_device_count", lambda: 2)  # torch on 2 GPUs
+    staged = precache.run(PIPELINE, plain_run.inputs, tmp_path / "staged", workers=2,
+                          shard_rows=3, params={"device": "cuda"}, **QUIET)
+    bound = setups(log)  # the processes that set the device op up: only device processes
+    got, expected = rows_of(tmp_path / "staged"), rows_of(plain_run.cache)
+    assert list(got) == list(expected) and len(got) == 10  # same keys, same order
+    assert [r[:3] for r in got.values()] == [r[:3] for r in expected.values()]
+    # two device processes, each bound to its own GPU, neither a worker
+    assert sorted(bound.values()) == ["5", "7"] and os.getpid() not in bound
+    assert not set(bound) & {r[4] for r in got.values()}
+    assert all(bound[r[3]] == r[5] for r in got.values())  # each row from one of them
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,7"  # this process's own is left as it was
+    device = staged.stages.device
+    assert device is not None and device.processes == 2 and device.samples == 12  # both summed
+    assert "mean of 2 device processes" in staged.stages.describe()
+    plain = plain_run.summary
+    assert (staged.ok, staged.skipped, staged.failed) == (plain.ok, plain.skipped, plain.failed)
 
 
 def test_asking_for_a_device_stage_without_a_device_op_is_one_line(tmp_path: Path) -> None:
