@@ -167,9 +167,9 @@ def _run_staged(tasks: list[Task], config: WorkerConfig, workers: int,
             init_worker(config, client)
             todo, results, procs = _start_children(
                 context, tasks, config, [pool.client(k + 1) for k in range(children)])
-        # while this process waits for the device: the workers, and the device processes' exit
-        # codes (their liveness by pid cannot tell a dead child from a live one without /proc;
-        # one this process does not call is dead too)
+        # while this process waits for the device: the workers, and every device process's exit
+        # code (its liveness by pid cannot tell a dead child from a live one without /proc; the
+        # run needs the ones this process does not call as well)
         client.watch = lambda: _died(procs) or pool.died()
         for result in _collect(tasks, todo, results, procs, pool.died):
             result.device_stats = pool.snapshot()
