@@ -202,11 +202,9 @@ def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_pat
 
 
 def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
-    """The device actors' counters together (their ages: the oldest's)."""
-    found = ray.get([actor.stats.remote() for actor in pool])
-    return DeviceStats(sum(f.busy_s for f in found) / len(found),
-                       sum(f.batches for f in found), sum(f.samples for f in found),
-                       sum(f.waiting for f in found), max(f.age_s for f in found))
+    """The device actors' counters together, as a local run's device processes'
+    (``DeviceStats.combined``: the summary names how many)."""
+    return DeviceStats.combined(ray.get([actor.stats.remote() for actor in pool]))
 
 
 def _python_path() -> list[str]:
