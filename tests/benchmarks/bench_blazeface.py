@@ -5,7 +5,9 @@
 
 Photos: ``data/make_samples.py``'s set (real faces from scikit-image and matplotlib, single faces
 and groups of 2-4 pasted at 40 px and up, and faceless photos; face boxes labelled) made in a
-temporary folder and scaled so the longer side is ``--size`` pixels, plus a mosaic of
+temporary folder and scaled so the longer side is ``--size`` pixels (``--size 0``: as made,
+240-760 px, as the ``faces`` pipeline sees them, where BlazeFace also searches tiles of 640 px in
+the larger ones), plus a mosaic of
 scikit-image's ``lfw_subset()`` (the 100 labelled 25 x 25 LFW faces, tight crops without hair or
 chin, scaled to 48-120 px on a background photo, 12 to a photo).
 
@@ -68,6 +70,9 @@ MOUTH_K = 0.47  # mouth corner = mouth centre -/+ MOUTH_K x eye vector, fitted o
 
 
 def scaled(image: np.ndarray, size: int) -> tuple[np.ndarray, float]:
+    """``image`` scaled so its longer side is ``size`` pixels (0: as it is), and the scale."""
+    if size == 0:
+        return image, 1.0
     s = size / max(image.shape[:2])
     new = (round(image.shape[1] * s), round(image.shape[0] * s))
     return cv2.resize(image, new, interpolation=cv2.INTER_AREA if s < 1 else cv2.INTER_LINEAR), s
@@ -289,7 +294,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--size", type=int, default=640)
+    parser.add_argument("--size", type=int, default=640,
+                        help="the sample photos' longer side; 0: as made (240-760 px, as the faces "
+                             "pipeline sees them: BlazeFace then also searches tiles of 640 px in "
+                             "the 109 of 300 that are larger)")
     parser.add_argument("--skip", default="", help="comma-separated: variants,points,threads,pipeline")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -321,7 +329,7 @@ def main() -> None:
                         outputs[name].append(out)
         reference, found = outputs["MTCNN"], outputs["BlazeFace"]
         mtcnn_s, blaze_s = ms["MTCNN"].sum() / 1e3, ms["BlazeFace"].sum() / 1e3
-        print(f"\n1. detection on {len(images)} sample photos at {args.size} px, one thread, "
+        print(f"\n1. detection on {len(images)} sample photos at {args.size or 'their own'} px, one thread, "
               f"photo by photo in rotating order, best of {args.repeat} each:")
         for name in detectors:
             seconds = ms[name].sum() / 1e3
@@ -338,6 +346,7 @@ def main() -> None:
                 "thresholds=(0.01, 0.3, 0.7)": {"thresholds": (0.01, 0.3, 0.7)},
                 "thresholds=(0.02, 0.0, 0.7) (no R-Net)": {"thresholds": (0.02, 0.0, 0.7)},
                 "tile=400": {"tile": 400},
+                "tile=0 (the whole photo only)": {"tile": 0},
                 "model=short": {"model": "short"},
             })
         print(f"\n2. recall of MTCNN's faces >= {MIN_SIDE} px (IoU >= 0.5); label recall (IoU >= 0.4) "
