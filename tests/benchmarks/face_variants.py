@@ -24,7 +24,7 @@ class TiledDetectFaces(DetectFaces):
     def setup(self) -> None:
         super().setup()
         if self.detector_name == "blazeface":
-            self.detector.tile = self.tile
+            self.nets.detector.tile = self.tile  # the BlazeFace of DetectFaces' FaceNets
 
 
 def _with_mesh_roi(ops: list[Op], mesh_roi: str) -> list[Op]:
