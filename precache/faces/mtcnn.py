@@ -236,12 +236,14 @@ class Cascade:
                    size: int) -> list[list[np.ndarray]]:
         """Run R-Net or O-Net over the patches of every image together; outputs split per
         image."""
-        counts = [len(b) for b in boxes]
-        crops = np.concatenate([_crops(image, b, size) for image, b in zip(images, boxes)
-                                if len(b)])
-        outputs = self._forward(name, crops)
-        bounds = np.cumsum([0] + counts)
-        return [[out[bounds[k]:bounds[k + 1]] for out in outputs] for k in range(len(images))]
+        return self._forward_split(name, [_crops(image, b, size) for image, b in zip(images, boxes)])
+
+    def _forward_split(self, name: str, crops: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """``_forward`` over every image's patches in one batch (at least one patch in all);
+        outputs split per image."""
+        outputs = self._forward(name, np.concatenate(crops))
+        bounds = np.cumsum([0] + [len(c) for c in crops])
+        return [[out[bounds[k]:bounds[k + 1]] for out in outputs] for k in range(len(crops))]
 
     def detect(self, image: np.ndarray) -> Faces:
         """Faces in an RGB uint8 image: ``(boxes (N, 4), scores (N,), landmarks (N, 5, 2))``."""
@@ -304,10 +306,8 @@ class Cascade:
         results = [_no_faces()] * len(squared)
         if not live:
             return results
-        outputs = self._forward("onet", np.concatenate([patches[k] for k in live]))
-        bounds = np.cumsum([0] + [len(squared[k]) for k in live])
-        for j, k in enumerate(live):
-            offsets, points, probs = (out[bounds[j]:bounds[j + 1]] for out in outputs)
+        outputs = self._forward_split("onet", [patches[k] for k in live])
+        for k, (offsets, points, probs) in zip(live, outputs):
             found = _onet_result(squared[k], offsets, points, probs)
             results[k] = tuple(a.astype(np.float32) for a in found)  # type: ignore[assignment]
         return results
