@@ -5,16 +5,16 @@
 ``matplotlib.pyplot``: about half a second of every stage-1 worker's start (0.49 s of 1.05 s on
 the project's 2-core machine), paid by each worker of each run, for helpers stage 1 never calls.
 Here the two drawing modules are registered first as empty modules that run their file, and so
-import matplotlib, on the first access to a name in them (a module ``__getattr__``), so code that
-uses them still works, and everything else MediaPipe does is unchanged. (``importlib.util.
-LazyLoader`` does not do: the import system's own ``__spec__`` check would run the file.)
+import matplotlib, on the first access to a name in them (a module ``__getattr__``, and ``dir``),
+so code that uses them still works, and everything else MediaPipe does is unchanged.
+(``importlib.util.LazyLoader`` does not do: the import system's own ``__spec__`` check would run
+the file.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
 from importlib.abc import Loader
 from pathlib import Path
 from types import ModuleType
@@ -26,18 +26,27 @@ LAZY_MODULES = ("drawing_utils", "drawing_styles")
 """Modules of ``mediapipe.python.solutions`` loaded on first use instead of at import."""
 
 
-def _loader(module: ModuleType, loader: Loader) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that runs ``module``'s file on the first name asked for (not for
-    dunder names, which the import system probes), then answers from it."""
+def _defer(module: ModuleType, loader: Loader) -> None:
+    """Give ``module`` a ``__getattr__`` and a ``__dir__`` that run its file on first use, then
+    answer from it: on the first name asked for (not on dunder names, which the import system
+    probes, but on ``__all__``, which ``import *`` reads before the module's namespace) or on
+    ``dir()``."""
+
+    def run() -> None:
+        del module.__dict__["__getattr__"], module.__dict__["__dir__"]
+        loader.exec_module(module)
 
     def load(attr: str) -> Any:
-        if attr.startswith("__"):
+        if attr.startswith("__") and attr != "__all__":
             raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
-        del module.__dict__["__getattr__"]
-        loader.exec_module(module)
+        run()
         return getattr(module, attr)
 
-    return load
+    def listing() -> list[str]:
+        run()
+        return dir(module)
+
+    module.__getattr__, module.__dir__ = load, listing  # type: ignore[method-assign]
 
 
 def import_mediapipe() -> ModuleType:
@@ -61,7 +70,7 @@ def import_mediapipe() -> ModuleType:
         if child is None or child.loader is None:
             continue
         module = importlib.util.module_from_spec(child)
-        module.__getattr__ = _loader(module, child.loader)  # type: ignore[method-assign]
+        _defer(module, child.loader)
         sys.modules[full] = module
         deferred.append((name, module))
     import mediapipe

@@ -35,3 +35,20 @@ def test_workers_build_blazeface_and_the_mesh_without_matplotlib_and_drawing_sti
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["False", "True (1, 2, 3) True"], done.stdout
+
+
+LISTED = """
+from precache.faces.mediapipe_import import import_mediapipe
+import_mediapipe()
+from mediapipe.python.solutions.drawing_utils import *
+from mediapipe.python.solutions import drawing_styles
+print(DrawingSpec(color=(1, 2, 3)).color, "get_default_face_mesh_contours_style" in dir(drawing_styles))
+"""
+
+
+def test_import_star_and_dir_see_the_deferred_modules_names():
+    # ``import *`` reads ``__all__`` and then the module's namespace; ``dir`` lists it
+    done = subprocess.run([sys.executable, "-c", LISTED], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "(1, 2, 3) True", done.stdout
