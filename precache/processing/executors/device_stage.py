@@ -236,7 +236,7 @@ def run_batch(served: dict[int, Op], requests: list[tuple[Target, list[Any]]]) -
         mine = [k for k, (t, _) in enumerate(requests) if t == target]
         if isinstance(target, tuple):
             position, part, method = target
-            found = _run_part(getattr(part_of(served[position], part), method),
+            found = _run_part(part_of(served[position], part), method,
                               [requests[k][1] for k in mine])
             for k, reply in zip(mine, found):
                 replies[k] = reply
@@ -250,20 +250,21 @@ def run_batch(served: dict[int, Op], requests: list[tuple[Target, list[Any]]]) -
     return replies
 
 
-def _run_part(method: Callable[..., list[Any]], calls: list[list[tuple]]) -> list[tuple]:
-    """``method`` over every call's items at once (each item a tuple of the method's arguments):
-    each call's ``("ok", results)``, or, where the method raised, ``("error", class name,
+def _run_part(part: Any, method: str, calls: list[list[tuple]]) -> list[tuple]:
+    """``part``'s ``method`` over every call's items at once (each item a tuple of the method's
+    arguments): each call's ``("ok", results)``, or, where the method raised (or the part has
+    no such method, as the op would have failed in the worker), ``("error", class name,
     message)``; a failure of the joined call is retried call by call, so it fails only the call
     (the worker's sample) that causes it."""
     items = [item for call in calls for item in call]
     try:
-        results = method(*[list(column) for column in zip(*items)])
+        results = getattr(part, method)(*[list(column) for column in zip(*items)])
         if len(results) != len(items):
-            raise RuntimeError(f"{getattr(method, '__qualname__', method)} returned "
-                               f"{len(results)} results for {len(items)} items")
+            raise RuntimeError(f"{type(part).__name__}.{method} returned {len(results)} "
+                               f"results for {len(items)} items")
     except Exception as error:  # noqa: BLE001 - the error of the call that causes it
         if len(calls) > 1:
-            return [_run_part(method, [call])[0] for call in calls]
+            return [_run_part(part, method, [call])[0] for call in calls]
         return [("error", type(error).__name__, str(error) or repr(error))]
     replies, at = [], 0
     for call in calls:

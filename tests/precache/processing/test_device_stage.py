@@ -293,6 +293,19 @@ def test_a_failing_call_batched_with_other_workers_calls_fails_only_its_own() ->
     assert replies[1] == ("error", "DetectorFault", "cannot detect on 128x96 frames")
 
 
+def test_a_device_part_without_the_method_called_fails_that_call_not_the_device_stage() -> None:
+    # as the op run in its worker would fail its sample; the device process crashed instead
+    # (and a Ray device actor's serving thread, leaving every worker waiting for ever)
+    from types import SimpleNamespace
+
+    from precache.processing.executors.device_stage import run_batch
+
+    served = {0: SimpleNamespace(nets=SimpleNamespace(detect=lambda xs: [2 * x for x in xs]))}
+    replies = run_batch(served, [((0, "nets", "refine"), [(1,)]), ((0, "nets", "detect"), [(3,)])])
+    assert replies[0][:2] == ("error", "AttributeError") and "refine" in replies[0][2]
+    assert replies[1] == ("ok", [6])
+
+
 def test_a_video_op_waiting_for_a_dead_device_stage_stops_the_run_not_just_its_video(
         face_videos: Path) -> None:
     # the device part's call runs inside the op, where any error is the input's: the device
