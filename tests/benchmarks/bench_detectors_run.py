@@ -12,10 +12,10 @@ photos and video, with the workers of a real run, against MTCNN in the same run.
 2. ``video-faces`` on ``--videos`` generated videos (``data/make_videos.py``: 320 x 240, 15 fps,
    moving and crossing faces) the same way: sampled frames/s (``frames=32`` a video).
 
-With ``--variants`` (default), BlazeFace also runs with the opt-in speed settings the built-in
-pipelines do not expose yet (``tests/benchmarks/face_variants.py``): ``mesh_roi=landmarks``
-(``FaceMesh(roi="landmarks")``: the mesh placed by the detector's points, without MediaPipe's
-face detector) and, for photos, ``tile=0`` as well (one BlazeFace pass a photo, no tiles).
+With ``--variants`` (default), BlazeFace also runs with the pipelines' opt-in speed settings:
+``mesh_roi=landmarks`` (``FaceMesh(roi="landmarks")``: the mesh placed by the detector's points,
+without MediaPipe's face detector) and, for photos, ``tile=0`` as well (one BlazeFace pass a
+photo, no tiles).
 
 Runs alternate (mtcnn, blazeface, ..., mtcnn, ...) and the best of ``--repeat`` is kept: a busy
 machine only makes a run slower. Each line also gives where a worker's time went
@@ -38,26 +38,25 @@ if str(ROOT) not in sys.path:
 import precache  # noqa: E402
 
 DETECTORS = ("mtcnn", "blazeface")
-VARIANTS = {  # row label -> (pipeline of face_variants.py, its extra parameters)
-    "faces": {"blazeface, mesh_roi=landmarks": ("faces", {"mesh_roi": "landmarks"}),
-              "blazeface, mesh_roi=landmarks, tile=0": ("faces", {"mesh_roi": "landmarks",
-                                                                  "tile": 0})},
-    "video-faces": {"blazeface, mesh_roi=landmarks": ("video_faces", {"mesh_roi": "landmarks"})},
+VARIANTS = {  # row label -> the pipeline's opt-in parameters, with detector=blazeface
+    "faces": {"blazeface, mesh_roi=landmarks": {"mesh_roi": "landmarks"},
+              "blazeface, mesh_roi=landmarks, tile=0": {"mesh_roi": "landmarks", "tile": 0}},
+    "video-faces": {"blazeface, mesh_roi=landmarks": {"mesh_roi": "landmarks"}},
 }
 
 
 def best_runs(pipeline: str, inputs: Path, work: Path, workers: int, repeat: int,
               params: dict, variants: bool) -> dict[str, precache.processing.RunSummary]:
     """The fastest of ``repeat`` fresh runs of each detector (and variant), alternating."""
-    rows: dict[str, tuple[str, dict]] = {d: (pipeline, {"detector": d}) for d in DETECTORS}
-    for label, (name, extra) in (VARIANTS[pipeline] if variants else {}).items():
-        rows[label] = (f"tests.benchmarks.face_variants:{name}", {"detector": "blazeface", **extra})
+    rows: dict[str, dict] = {d: {"detector": d} for d in DETECTORS}
+    for label, extra in (VARIANTS[pipeline] if variants else {}).items():
+        rows[label] = {"detector": "blazeface", **extra}
     best: dict[str, precache.processing.RunSummary] = {}
     for _ in range(repeat):
-        for k, (label, (ref, extra)) in enumerate(rows.items()):
+        for k, (label, extra) in enumerate(rows.items()):
             out = work / f"{pipeline}-{k}"
             shutil.rmtree(out, ignore_errors=True)
-            summary = precache.run(ref, inputs, out, workers=workers, progress=False,
+            summary = precache.run(pipeline, inputs, out, workers=workers, progress=False,
                                    log=lambda *_: None, params={**params, **extra})
             if label not in best or summary.wall_s < best[label].wall_s:
                 best[label] = summary

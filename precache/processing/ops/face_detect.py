@@ -95,13 +95,13 @@ class FaceNets:
     device stage batches several workers' calls by joining their lists.
 
     Args:
-        detector, device, min_face, thresholds: as ``DetectFaces``'s.
+        detector, device, min_face, thresholds, tile: as ``DetectFaces``'s.
     """
 
     def __init__(self, detector: str, device: str, min_face: int,
-                 thresholds: tuple[float, float, float]) -> None:
+                 thresholds: tuple[float, float, float], tile: int = 640) -> None:
         self.detector_name, self.device = detector, device
-        self.min_face, self.thresholds = min_face, thresholds
+        self.min_face, self.thresholds, self.tile = min_face, thresholds, tile
         self.detector: Any = None  # a Cascade (MTCNN) or a BlazeFace, made by setup
 
     def setup(self) -> None:
@@ -111,7 +111,8 @@ class FaceNets:
         if self.detector_name == "blazeface":  # made here: MediaPipe aborts in forked children
             from precache.faces.blazeface import BlazeFace
 
-            self.detector = BlazeFace(self.min_face, (*BLAZEFACE_THRESHOLDS, self.thresholds[2]))
+            self.detector = BlazeFace(self.min_face, (*BLAZEFACE_THRESHOLDS, self.thresholds[2]),
+                                      tile=self.tile)
             return
         self.detector = make_mtcnn(self.device, self.min_face, self.thresholds)
 
@@ -166,6 +167,11 @@ class DetectFaces(Op):
             give box, score and 5 points in MTCNN's style; CPU only. ``thresholds[0]`` and
             ``[1]`` are then not used (``BLAZEFACE_THRESHOLDS``). In ``params`` only when it is
             ``blazeface``, so MTCNN caches keep their fingerprint.
+        tile: with ``detector=blazeface``, a shrunk image with a side longer than this is also
+            searched in overlapping tiles of this side, a BlazeFace pass each (0: the whole
+            image only: ~1.5x faster on the sample photos, recall of MTCNN's faces of 40 px and
+            more 0.954 instead of 0.973). In ``params`` only when it is not 640 (the default),
+            and only for blazeface (MTCNN ignores it).
 
     An image without a face is skipped with reason ``no_face``. Photos are detected a batch at
     a time (``call_batch``: one batch per shrunk size), with the same faces as one by one.
@@ -180,7 +186,7 @@ class DetectFaces(Op):
 
     def __init__(self, *, min_face: int = 20, thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
                  keep: str = "largest", detect_size: int = 1024, device: str = "auto",
-                 detector: str = "mtcnn") -> None:
+                 detector: str = "mtcnn", tile: int = 640) -> None:
         if detect_size != 0 and detect_size < 48:
             raise ValueError(f"detect_size must be 0 (full size) or at least 48 pixels, not {detect_size}")
         if keep not in ("largest", "all"):
@@ -198,9 +204,14 @@ class DetectFaces(Op):
         if detector == "blazeface" and device.startswith("cuda"):
             raise ValueError("detector=blazeface runs on the CPU only; use device=cpu or auto, "
                              "or detector=mtcnn")
+        if tile != 0 and tile < 48:
+            raise ValueError(f"tile must be 0 (the whole image only) or at least 48 pixels, "
+                             f"not {tile}")
         self.device = check_device(device)
         self.detector_name = detector
-        self.nets = FaceNets(detector, self.device, self.min_face, self.thresholds)  # type: ignore[arg-type]
+        self.tile = int(tile)
+        self.nets = FaceNets(detector, self.device, self.min_face, self.thresholds,  # type: ignore[arg-type]
+                             self.tile)
 
     @property
     def detector(self) -> Any:
@@ -215,7 +226,10 @@ class DetectFaces(Op):
     def params(self) -> dict[str, Any]:
         found = {"min_face": self.min_face, "thresholds": list(self.thresholds),
                  "keep": self.keep, "detect_size": self.detect_size}
-        return found if self.detector_name == "mtcnn" else {**found, "detector": self.detector_name}
+        if self.detector_name == "mtcnn":
+            return found
+        return {**found, "detector": self.detector_name,
+                **({"tile": self.tile} if self.tile != 640 else {})}
 
     def weight_files(self) -> list[Path]:
         if self.detector_name == "blazeface":

