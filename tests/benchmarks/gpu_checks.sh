@@ -11,7 +11,8 @@
 # `stage1` (needs only `prepare`'s wheels and the repository): the torch MTCNN's CUDA test,
 # bench_mtcnn.py --cuda (photos/s batched on the GPU against OpenCV on one core, same run), and
 # the faces pipeline with device=cuda on the sample photos, whose summary gives the device
-# stage's busy share (goal >= 80%) and photos/s (goal >= 300 at 640x480).
+# stage's busy share (goal >= 80%) and photos/s (goal >= 300 at 640x480), then video-faces with
+# device=cuda on 32 generated videos (its detector's calls in the device stage; ~1 minute).
 #
 # `prepare` needs the dev install (.venv): it builds a text cache of data/make_corpus.py's
 # corpus and a video-faces cache (JPEG crops) of data/make_videos.py's videos, copies MiniLM's
@@ -110,6 +111,10 @@ stage1() {
     python data/make_samples.py --count 600 --output /tmp/samples >/dev/null
     timeout 200 python -m precache run faces -i /tmp/samples -o /tmp/facescache \
         --set device=cuda --set detect_size=640 -j "$(nproc)" 2>&1 | tail -6 | tee "$OUT/faces_cuda.log"
+    echo "== video-faces with device=cuda (its detector in the device stage), $(nproc) workers"
+    python data/make_videos.py --output /tmp/videos --per-label 16 >/dev/null
+    timeout 200 python -m precache run video-faces -i /tmp/videos -o /tmp/videocache \
+        --set device=cuda --set frames=32 -j "$(nproc)" 2>&1 | tail -6 | tee "$OUT/video_cuda.log"
 }
 
 "$@"
