@@ -178,7 +178,12 @@ class RayDeviceClient:
         try:
             return ray.get(self._actor.call.remote(target, items))
         except ray.exceptions.RayActorError as e:
-            raise WorkerDied(f"a device actor died:\n{e}") from None
+            raise WorkerDied(f"a device actor died ({_first_line(e)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line (Ray's errors go on with the remote traceback and advice)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def device_actors(gpus: int, workers: int) -> int:
@@ -204,7 +209,10 @@ def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_pat
 def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
     """The device actors' counters together, as a local run's device processes'
     (``DeviceStats.combined``: the summary names how many)."""
-    return DeviceStats.combined(ray.get([actor.stats.remote() for actor in pool]))
+    try:
+        return DeviceStats.combined(ray.get([actor.stats.remote() for actor in pool]))
+    except ray.exceptions.RayActorError as e:  # one died since the last batch: the run stops
+        raise WorkerDied(f"a device actor died ({_first_line(e)})") from None
 
 
 def _python_path() -> list[str]:
@@ -366,6 +374,8 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
                     start_actor()
                 continue
             except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, WorkerDied):  # a device actor died under this task
+                    raise WorkerDied(_first_line(e.cause)) from None
                 raise WorkerDied(f"{_describe(task) if task else 'a task'} failed:\n{e}") from None
             if task is None:
                 actor.pid, actor.node = result  # set up, ready for tasks

@@ -400,3 +400,22 @@ def test_a_dataset_is_cached_by_ray_actors(cluster: Cluster, tmp_path: Path) -> 
     errors = Cache(tmp_path / "cache").read_errors().to_pylist()
     assert [(e["key"], e["stage"]) for e in errors] == [("5", "getitem")]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".precache-dataset-")]
+
+
+@needs_ray
+def test_a_dead_device_actor_stops_the_run_in_a_few_lines_and_a_rerun_resumes(
+        cluster: Cluster, tmp_path: Path) -> None:
+    from tests.precache.processing.device_pipeline import PIPELINE, QUIET, make_inputs, rows_of
+
+    inputs = make_inputs(tmp_path / "in")
+    (inputs / "zz.txt").write_text("die here")  # the device actor kills itself on this sample
+    options = dict(workers=2, shard_rows=3, executor="ray",
+                   params={"marker": str(tmp_path / "died")}, **QUIET)
+    with pytest.raises(precache.RunError) as raised:
+        precache.run(PIPELINE, inputs, tmp_path / "ray", **options)
+    message = str(raised.value)
+    assert message.splitlines()[0].startswith("a device actor died")
+    assert "Traceback" not in message and len(message.splitlines()) <= 3, message
+    assert "re-run" in message
+    again = precache.run(PIPELINE, inputs, tmp_path / "ray", **options)
+    assert again.reused > 0 and len(rows_of(tmp_path / "ray")) == 11
