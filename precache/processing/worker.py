@@ -161,10 +161,10 @@ def _call_op(op: Op, samples: list[Sample]) -> list[Any]:
 
 
 def _run_ops(samples: list[tuple[int, Sample]], records: list[dict[str, Any]],
-             ops: list[Op], seconds: dict[str, float]) -> list[tuple[int, Sample]]:
+             ops: list[Op], stages: list[str], seconds: dict[str, float],
+             ) -> list[tuple[int, Sample]]:
     """Pass samples through the ops, updating ``records`` and each op's ``seconds`` (under its
-    stage: ``stage_names``); return the surviving rows."""
-    stages = stage_names([op.name for op in ops])
+    stage, ``stages[position]``: ``stage_names``); return the surviving rows."""
     live = samples
     skipped: dict[int, tuple[str, str]] = {}
     for position, op in enumerate(ops):
@@ -292,7 +292,7 @@ def run_task(task: Task) -> TaskResult:
                                   "locator": item.locator, "data": data}))
         _add_time(seconds, READ, started)
         produced = [{k: v for k, v in row.items() if k not in NOT_STORED}
-                    for _, row in _run_ops(batch, records, _ops, seconds)]
+                    for _, row in _run_ops(batch, records, _ops, stages, seconds)]
         started = time.perf_counter()
         valid, schema = _validate(produced, records, index, schema)
         _add_time(seconds, STORE, started)
