@@ -248,3 +248,9 @@ class BlazeFace:
         """O-Net on known boxes (a face's box on the previous video frame), as ``MTCNN.refine``:
         for each image, one ``(box, score, points)`` per box, in order, whatever the score."""
         return self.onet.refine(images, boxes)
+
+    def refine_patches(self, squared: list[np.ndarray], patches: list[np.ndarray]
+                       ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``refine`` from what ``mtcnn.refine_inputs`` made of each image's boxes, as
+        ``MTCNN.refine_patches`` (the device stage sends only the patches)."""
+        return self.onet.refine_patches(squared, patches)

@@ -133,10 +133,7 @@ class FaceNets:
     def refine(self, squared: list[np.ndarray], patches: list[np.ndarray]) -> list[Faces]:
         """O-Net on each image's squared boxes and their 48 px patches (``refine_inputs``)."""
         self.setup()
-        detector = self.detector
-        # BlazeFace refines with the MTCNN it holds (``BlazeFace.refine``)
-        onet = detector if isinstance(detector, Cascade) else detector.onet
-        return onet.refine_patches(squared, patches)
+        return self.detector.refine_patches(squared, patches)
 
 
 class DetectFaces(Op):
