@@ -178,7 +178,7 @@ class RayDeviceClient:
         try:
             return ray.get(self._actor.call.remote(target, items))
         except ray.exceptions.RayActorError as e:
-            raise WorkerDied(f"a device actor died ({_first_line(e)})") from None
+            raise _device_actor_died(e) from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -186,24 +186,22 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def device_actors(gpus: int, workers: int) -> int:
-    """How many device actors a run starts: one per GPU of the cluster, but no more than its
-    worker actors (each worker calls one device actor, so a GPU beyond them would hold a model
-    and wait for nothing), and one without GPUs: ``device_stage.one_per_gpu``, as a local
-    run's device processes."""
-    return one_per_gpu(gpus, workers)
+def _device_actor_died(error: BaseException) -> WorkerDied:
+    """The one line that stops a run whose device actor died (Ray's ``RayActorError``)."""
+    return WorkerDied(f"a device actor died ({_first_line(error)})")
 
 
 def _device_pool(ray: Any, config: WorkerConfig, env: dict[str, str], python_path: list[str],
                  workers: int) -> list[Any]:
-    """``device_actors`` device actors, each with one GPU (one actor, without GPUs: it then
-    shares the CPUs, asking for none of them)."""
+    """One device actor per GPU of the cluster, no more than its worker actors
+    (``device_stage.one_per_gpu``, as a local run's device processes), each with one GPU (one
+    actor, without GPUs: it then shares the CPUs, asking for none of them)."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actor_class = ray.remote(DeviceActor).options(
         num_cpus=0, num_gpus=1 if gpus else 0, max_restarts=0, max_task_retries=0,
         max_concurrency=workers + 1)
     return [actor_class.remote(config, env, python_path)
-            for _ in range(device_actors(gpus, workers))]
+            for _ in range(one_per_gpu(gpus, workers))]
 
 
 def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
@@ -212,7 +210,7 @@ def _pool_stats(ray: Any, pool: list[Any]) -> DeviceStats:
     try:
         return DeviceStats.combined(ray.get([actor.stats.remote() for actor in pool]))
     except ray.exceptions.RayActorError as e:  # one died since the last batch: the run stops
-        raise WorkerDied(f"a device actor died ({_first_line(e)})") from None
+        raise _device_actor_died(e) from None
 
 
 def _python_path() -> list[str]:
@@ -310,7 +308,7 @@ def run_tasks_ray(tasks: list[Task], config: WorkerConfig, workers: int | None =
             starts a local Ray for this run and stops it at the end. If this process is already
             connected to Ray (``ray.init`` was called), that connection is used and kept.
         device_stage: the ops that declare ``device_stage`` run in a pool of device actors
-            (one per GPU, at most one per worker actor: ``device_actors``); each result then
+            (one per GPU, at most one per worker actor: ``device_stage.one_per_gpu``); each result then
             carries their counters.
 
     Raises:

@@ -177,11 +177,11 @@ def test_without_proc_a_live_process_is_found_by_a_signal_0(tmp_path: Path) -> N
 
 
 def test_ray_starts_a_device_actor_per_gpu_but_not_more_than_its_workers() -> None:
-    from precache.processing.executors.ray import device_actors
+    from precache.processing.executors.ray import one_per_gpu  # what _device_pool counts by
 
-    assert device_actors(gpus=8, workers=2) == 2  # 6 GPUs would hold a model for nothing
-    assert device_actors(gpus=2, workers=16) == 2
-    assert device_actors(gpus=0, workers=4) == 1  # no GPU: one actor on the CPUs
+    assert one_per_gpu(gpus=8, workers=2) == 2  # 6 GPUs would hold a model for nothing
+    assert one_per_gpu(gpus=2, workers=16) == 2
+    assert one_per_gpu(gpus=0, workers=4) == 1  # no GPU: one actor on the CPUs
 
 
 def test_a_value_that_cannot_be_pickled_fails_its_sample_not_the_run(tmp_path: Path) -> None:
