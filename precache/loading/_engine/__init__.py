@@ -13,9 +13,10 @@ outside ``precache/loading`` does).
 - ``resident``: the columns of older caches held whole in memory;
 - ``encoded_images``: JPEG/WebP rows decoded into one batch array (or handed out as bytes);
 - ``open_shards``: the shard readers a process keeps open, within its open-file budget;
-- ``row_table``: per-process tables from dataset row to an open shard's mapped bytes
-  (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a batch
-  is one gather a column however many shards it touches;
+- ``row_table``, ``fixed_rows``: per-process tables from dataset row to an open shard's mapped
+  bytes (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a
+  batch is one gather a column however many shards it touches (wide rows into arrays that
+  start on a cache line: ``aligned_empty``);
 - ``page_policy``: a dataset's page-cache policy (faults, read-ahead, warming, release);
 - ``warm``: reading whole shards into the page cache in a thread;
 - ``lazy_order``: an epoch's shuffled order computed as it is consumed;

@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 
 from precache.loading._engine.encoded_images import batch_images
+from precache.loading._engine.fixed_rows import FixedRows
+from precache.loading._engine.fixed_rows import Plan as RowsPlan
 from precache.loading._engine.gather_rows import as_batch, row_table, rows_in_table
 from precache.loading._engine.read_state import Indices, ReadState, index_array
-from precache.loading._engine.row_table import FixedRows
 
 __all__ = ["read_tables", "stored"]
 
-Plan = tuple[FixedRows, list[Any]]
+Plan = tuple[FixedRows, RowsPlan]
 """A ``FixedRows`` and its ``plan`` of a batch."""
 
 

@@ -1,0 +1,221 @@
+"""Fixed-shape columns of every open shard by dataset index: a batch is one gather a column,
+whatever shards it touches, into arrays that start on a cache line.
+
+A shuffled batch of 256-row shards touches a shard every few rows, and anything done once a
+shard (a lookup, a ``np.take`` call) cost more than the rows of a small column (``label`` read
+at 0.04 of a memmap's gather, 128 px crops at 0.65). A row's bytes are at its shard's view
+address plus ``row * row_bytes``, so ``FixedRows`` keeps, per column, where each open shard's
+rows start, and reads a batch as one gather from a ``_Span``: an array of row-wide items one
+``step`` apart spanning every open shard's view. The offsets of a batch's rows in every column
+take a few vector operations, and the copy runs without the GIL (thread workers gather in
+parallel).
+
+Where the rows land matters as much as where they come from. NumPy puts a large new array 16
+bytes past a page boundary (glibc's chunk header), and copying 49,152-byte rows into it took
+1,080 us a batch of 256 where the same copy into an array starting on a 32- or 64-byte boundary
+took 870 (the source on any 64-byte boundary; one process, same rows). Rows of
+``WIDE_ROW_BYTES`` or more are therefore copied into ``aligned_empty``'s arrays by
+``torch.index_select(out=)`` (NumPy has no gather into a given array from a source that is not
+contiguous), narrower ones by NumPy's own gather (about 5 us a column less for 8-byte rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FixedRows", "aligned_empty", "WIDE_ROW_BYTES"]
+
+WIDE_ROW_BYTES = 16 << 10
+"""Rows at least this wide are copied into cache-line-aligned arrays (see the module)."""
+
+_LINE = 64
+"""The boundary ``aligned_empty``'s arrays start on (a cache line, and AVX-512's width)."""
+
+_TORCH_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (see the
+    module docstring), part of a NumPy array 64 bytes larger that it keeps alive."""
+    dtype = np.dtype(dtype)
+    nbytes = dtype.itemsize * math.prod(shape)
+    raw = np.empty(nbytes + _LINE, np.uint8)
+    start = -raw.ctypes.data % _LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+Plan = tuple[list["_Span"], np.ndarray]
+"""Each column's span, and the batch's rows' offsets in them (one row of offsets a column)."""
+
+
+class FixedRows:
+    """Fixed-shape columns ``names`` of a dataset by dataset index (see the module docstring).
+
+    Only the views of shards open in this process are held (``drop`` as ``OpenShards`` closes
+    a reader), so the table keeps no more files mapped than the open-file budget allows; a
+    batch whose shards cannot all be open at once is read the per-shard way.
+
+    Args:
+        names: the columns, in the order ``read`` returns them.
+        specs: each column's ``(dtype, shape)``.
+        first: the dataset index of each shard's first row, and the dataset's length last.
+        shard_of, rows: the shard and the row in its shard of every dataset index.
+
+    Attributes:
+        ready, complete, usable: as ``RowTable``'s.
+    """
+
+    def __init__(self, names: Sequence[str], specs: Sequence[tuple[np.dtype, tuple[int, ...]]],
+                 first: np.ndarray, shard_of: np.ndarray, rows: np.ndarray) -> None:
+        self.names, self._specs = list(names), list(specs)
+        self._first, self._shard_of, self._rows = first, shard_of, rows
+        shards = len(first) - 1
+        self.ready = np.zeros(shards, dtype=bool)
+        self._ready_count = 0
+        self.complete = shards == 0
+        self.usable = True
+        self._row_bytes = [int(np.dtype(dtype).itemsize * math.prod(shape))
+                           for dtype, shape in self._specs]
+        self._address = np.zeros((len(self.names), shards), dtype=np.int64)
+        self._views: list[list[np.ndarray | None]] = [[None] * shards for _ in self.names]
+        # rebuilt after a shard is added or dropped: the spans, where each shard's rows start
+        # in them and how far apart a shard's rows are (both in steps, one row a column)
+        self._spans: list[_Span] | None = None
+        self._starts = np.zeros((len(self.names), shards), dtype=np.int64)
+        self._row_steps = np.zeros((len(self.names), 1), dtype=np.int64)
+
+    def add(self, shard: int, views: dict[str, np.ndarray]) -> bool:
+        """Make shard ``shard`` ready from its mapped views. False, leaving the table unusable,
+        if a column is not mapped, its rows are not contiguous, or a row is past its end."""
+        lo, hi = int(self._first[shard]), int(self._first[shard + 1])
+        found = [views.get(name) for name in self.names]
+        for view, (dtype, shape) in zip(found, self._specs):
+            if (view is None or view.dtype != dtype or view.shape[1:] != tuple(shape)
+                    or not view.flags.c_contiguous or view.dtype.hasobject
+                    or (hi > lo and int(self._rows[lo:hi].max()) >= len(view))):
+                self.usable = False
+                return False
+        for k, view in enumerate(found):
+            assert view is not None
+            self._views[k][shard] = view
+            self._address[k, shard] = view.ctypes.data
+        if not self.ready[shard]:
+            self.ready[shard] = True
+            self._ready_count += 1
+            self.complete = self._ready_count == len(self.ready)
+        self._spans = None
+        return True
+
+    def drop(self, shard: int) -> None:
+        """Shard ``shard`` is being closed: let go of its views (its file is unmapped once no
+        batch in flight holds them)."""
+        if shard < len(self.ready) and self.ready[shard]:
+            self.ready[shard] = False
+            self._ready_count -= 1
+            self.complete = False
+            for views in self._views:
+                views[shard] = None
+            self._spans = None
+
+    def plan(self, indices: np.ndarray) -> Plan | None:
+        """Each column's span and the batch's offsets in it; ``None`` unless every shard of
+        ``indices`` is ready. Call under the dataset's lock; ``gather`` may run outside it (the
+        spans hold the views of the shards they cover, so their files stay mapped).
+
+        Raises:
+            IndexError: an index is out of range."""
+        shards = self._shard_of[indices]
+        if not self.complete and not self.ready[shards].all():
+            return None
+        if self._spans is None:
+            self._build_spans()
+        assert self._spans is not None
+        return self._spans, self._starts[:, shards] + self._rows[indices] * self._row_steps
+
+    def _build_spans(self) -> None:
+        """The spans of the ready shards' views, and where each shard's rows start in them."""
+        spans = [_Span([v for v in views if v is not None], width)
+                 for views, width in zip(self._views, self._row_bytes)]
+        lows = np.array([[span.low] for span in spans], dtype=np.int64).reshape(-1, 1)
+        steps = np.array([[span.step] for span in spans], dtype=np.int64).reshape(-1, 1)
+        self._starts = (self._address - lows) // steps  # (shards not ready: never read)
+        self._row_steps = np.array([[w] for w in self._row_bytes],
+                                   dtype=np.int64).reshape(-1, 1) // steps
+        self._spans = spans
+
+    def gather(self, plan: Plan, empty: Callable[..., np.ndarray] | None = None,
+               ) -> dict[str, np.ndarray]:
+        """The columns' rows of a ``plan``, one array each, without the GIL: rows narrower than
+        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays; given
+        ``empty(shape, dtype)`` (pinned memory), every column into its arrays."""
+        spans, offsets = plan
+        count = offsets.shape[1]
+        out = {}
+        for k, (name, (dtype, shape), span) in enumerate(zip(self.names, self._specs, spans)):
+            if empty is None and span.width < WIDE_ROW_BYTES:
+                out[name] = span.items[offsets[k]].view(dtype).reshape(count, *shape)
+                continue
+            array = out[name] = (empty or aligned_empty)((count, *shape), dtype)
+            if not array.flags.c_contiguous:  # (reshape would copy: write through indexing)
+                array[...] = span.items[offsets[k]].view(dtype).reshape(count, *shape)
+            elif count and span.width:
+                span.copy_rows(offsets[k], array)
+        return out
+
+
+class _Span:
+    """The address range from the lowest to the highest byte of some views, as an array of
+    ``width``-byte rows one ``step`` apart (only the rows at the views' rows are ever read),
+    and the views, which it holds so that their files stay mapped while it is used.
+
+    ``step`` is the largest of 8, 4, 2 and 1 bytes that divides ``width`` and every view's
+    address: a row is ``width // step`` integers of ``step`` bytes, so NumPy copies a batch
+    without the GIL (as ``np.take`` does; as one ``width``-byte ``void`` item a row it held the
+    GIL), and torch, whose strides count elements, can read the same rows as a tensor."""
+
+    def __init__(self, views: list[np.ndarray], width: int) -> None:
+        self.views, self.width = views, width
+        self._raw: Any = None
+        self._tensor: torch.Tensor | None = None
+        starts = [view.ctypes.data for view in views if view.size]
+        ends = [view.ctypes.data + view.nbytes for view in views if view.size]
+        self.low = min(starts, default=0)
+        size = max(ends, default=0) - self.low
+        self.step = next(s for s in (8, 4, 2, 1)
+                         if width % s == 0 and all(a % s == 0 for a in starts)) if width else 1
+        dtype = np.dtype(f"i{self.step}" if self.step > 1 else "u1")
+        if size < width or width == 0:
+            self.items = np.empty((0, width // self.step), dtype=dtype)
+            return
+        raw = self._raw = (ctypes.c_char * size).from_address(self.low)
+        # (numpy's stubs omit ctypes arrays from what ``buffer`` takes; they are buffers)
+        self.items = np.ndarray(shape=((size - width) // self.step + 1, width // self.step),
+                                dtype=dtype, buffer=raw,  # type: ignore[arg-type]
+                                strides=(self.step, self.step))
+        self.items.flags.writeable = False
+
+    def copy_rows(self, offsets: np.ndarray, array: np.ndarray) -> None:
+        """Copy the rows at ``offsets`` (in steps) into ``array`` (C-contiguous, one row of
+        ``width`` bytes each), by ``torch.index_select(out=)``."""
+        target = torch.from_numpy(array.reshape(-1).view(self.items.dtype)
+                                  .reshape(len(offsets), -1))
+        torch.index_select(self.tensor(), 0, torch.from_numpy(offsets), out=target)
+
+    def tensor(self) -> torch.Tensor:
+        """``items`` as a tensor, made when first asked for (from a writable array over the same
+        bytes: torch warns on read-only ones; it is never written through)."""
+        if self._tensor is None:
+            if self._raw is None:
+                self._tensor = torch.empty((0, self.width // self.step),
+                                           dtype=_TORCH_INTS[self.step])
+            else:
+                rows = np.ndarray(shape=self.items.shape, dtype=self.items.dtype,
+                                  buffer=self._raw, strides=self.items.strides)
+                self._tensor = torch.from_numpy(rows)
+        return self._tensor
