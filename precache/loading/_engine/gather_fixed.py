@@ -31,7 +31,7 @@ Plan = tuple[FixedRows, RowsPlan]
 """A ``FixedRows`` and its ``plan`` of a batch."""
 
 
-def read_tables(state: ReadState, indices: Indices, empty: Callable[..., np.ndarray],
+def read_tables(state: ReadState, indices: Indices, empty: Callable[..., np.ndarray] | None,
                 storage_order: bool = False) -> dict[str, Any] | None:
     """A warm batch with a fixed-shape column, its fixed-shape columns mapped and the others
     in place: the fixed ones through ``FixedRows`` (into ``empty``'s arrays where the caller
@@ -61,11 +61,11 @@ def read_tables(state: ReadState, indices: Indices, empty: Callable[..., np.ndar
         policy.faults_at_return = faults
     # outside the lock: in parallel in thread workers (the plan holds the views it reads)
     table, plan = found
-    out: dict[str, Any] = table.gather(plan, None if empty is np.empty else empty)
+    out: dict[str, Any] = table.gather(plan, empty)
     if lists:
         out.update(as_batch(state, lists))
     for name in state.encoded:
-        out[name] = batch_images(state, name, out[name], index, empty)
+        out[name] = batch_images(state, name, out[name], index, empty or np.empty)
     return out
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from precache.loading._engine import gather_shards
 from precache.loading._engine.encoded_images import batch_images
+from precache.loading._engine.fixed_rows import aligned_empty
 from precache.loading._engine.gather_fixed import read_tables, stored
 from precache.loading._engine.gather_rows import read_complete
 from precache.loading._engine.read_state import Indices, ReadState, index_array
@@ -20,7 +21,7 @@ __all__ = ["read_batch", "read_column"]
 
 
 def read_batch(state: ReadState, indices: Indices, ahead: Indices | None,
-               storage_order: bool, empty: Callable[..., np.ndarray]) -> dict[str, Any]:
+               storage_order: bool, empty: Callable[..., np.ndarray] | None) -> dict[str, Any]:
     """The columns of rows ``indices`` (see ``CachedDataset.read_batch``), with ``target``
     where the dataset has targets. A path may return a storage-order batch in storage order
     or in the order asked for; asked in storage order already (ascending: a selection keeps
@@ -32,15 +33,17 @@ def read_batch(state: ReadState, indices: Indices, ahead: Indices | None,
     if storage_order and index.size:
         index = stored(state, index)
     out = _read(state, index, ahead, storage_order, empty)
-    target = out["target"] = empty((len(index),), np.dtype(np.int64))
+    target = out["target"] = (empty or np.empty)((len(index),), np.dtype(np.int64))
     np.take(targets, index, out=target)  # (in range: the read checked)
     return out
 
 
 def _read(state: ReadState, indices: Indices, ahead: Indices | None,
-          storage_order: bool, empty: Callable[..., np.ndarray]) -> dict[str, Any]:
-    """The requested columns of rows ``indices`` by the first path that serves them."""
-    fast = read_complete(state, indices, empty)
+          storage_order: bool, empty: Callable[..., np.ndarray] | None) -> dict[str, Any]:
+    """The requested columns of rows ``indices`` by the first path that serves them, into
+    ``empty``'s arrays (``None``: the fixed-shape table's choice; the per-shard path's arrays
+    from ``aligned_empty``, decoded images' from ``np.empty``)."""
+    fast = read_complete(state, indices, empty or np.empty)
     if fast is None:
         fast = read_tables(state, indices, empty, storage_order)
     if fast is not None:
@@ -49,7 +52,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
     with state.guard():
         faults = state.policy.begin()
         out, order, groups = gather_shards.gather(state, indices, ahead, storage_order,
-                                                  copies, empty)
+                                                  copies, empty or aligned_empty)
     gather_shards.copy_rows(copies)
     if not state.resident:
         with state.guard():
@@ -58,7 +61,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
                 state.readers.values())
     for name in state.encoded:
         if name in out and order is not None:
-            out[name] = batch_images(state, name, out[name], order, empty)
+            out[name] = batch_images(state, name, out[name], order, empty or np.empty)
     return out
 
 
@@ -68,7 +71,7 @@ def read_column(state: ReadState, name: str, step: int) -> Any:
     first = state.first
     shards = len(first) - 1
     parts = [read_batch(state, np.arange(first[s], first[min(s + step, shards)]), None, False,
-                        np.empty)[name]
+                        None)[name]
              for s in range(0, shards, step) if first[s] < first[min(s + step, shards)]]
     spec = state.schema[name]
     if spec.kind in ("ndarray", "scalar"):

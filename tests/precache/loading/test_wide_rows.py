@@ -45,14 +45,16 @@ def cache(tmp_path_factory):
     return root / "cache"
 
 
-def test_a_warm_batch_of_wide_rows_is_right_and_starts_on_a_cache_line(cache):
+def test_a_batch_of_wide_rows_is_right_and_starts_on_a_cache_line_cold_and_warm(cache):
     assert expected(0).nbytes >= WIDE_ROW_BYTES > 4  # (a wide and a narrow column)
     dataset = CachedDataset(cache, columns=["wide", "narrow", "key"])
     try:
         keys = dataset.read_column("key")
         row_of = [int(key.rsplit("/", 1)[-1].split(".")[0]) for key in keys]
         order = np.random.default_rng(0).permutation(ROWS)
-        dataset.read_batch(order)  # cold: the shards open, then the tables fill
+        cold = dataset.read_batch(order)["wide"]  # shard by shard; the tables fill after
+        assert cold.ctypes.data % 64 == 0
+        assert all(np.array_equal(cold[k], expected(row_of[i])) for k, i in enumerate(order))
         indices = np.array([5, -1, 17, 5, 0, -24, 23, 9, 12, 2])
         for storage_order in (False, True):
             got = dataset.read_batch(indices, storage_order=storage_order)
