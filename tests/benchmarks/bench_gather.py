@@ -15,6 +15,10 @@ rounds is printed:
 
 - **limit**: ``np.take`` of NumPy memmaps of the same arrays (one ``.npy`` per column, maps
   kept open, as precache keeps its shards'), one call a column;
+- **aligned limit**: the same ``np.take`` into arrays that start on a 64-byte boundary
+  (``out=``). NumPy's own large arrays start 16 bytes past a page, where a copy of wide rows is
+  ~20% slower, and precache copies rows of 16 KiB and more into 64-byte-aligned arrays: the
+  table gives the image settings' ratio to both limits;
 - ``read_batch(storage_order=True)``, ``make_loader(num_workers=0)``,
   ``make_loader(num_workers=2)`` (thread workers) over ``CachedDataset``;
 - ``label`` alone and ``landmarks`` alone, ``read_batch`` and ``make_loader(num_workers=0)``,
@@ -40,6 +44,11 @@ together (a barrier) and each times the same number of whole epochs (rank 0's ch
 ``--seconds``); the rate is all ranks' rows over the slowest rank's seconds, and the ratio is
 to the limit with the same R in the same round. ``read_batch`` and ``landmarks`` are not run
 then.
+
+``--torch-threads N``: ``torch.set_num_threads(N)`` first. precache copies wide rows with
+``torch.index_select``, which splits a batch among torch's intra-op threads (all cores by
+default); the limits use one core, so ``--torch-threads 1`` compares like with like. The
+header says how many threads torch had.
 
 Everything it wrote is deleted at the end unless ``--keep``. It runs against an older tree
 too (``PYTHONPATH=/older/tree python tests/benchmarks/bench_gather.py``; the table names the
@@ -154,18 +163,32 @@ def timed(run_epoch: Callable[[], int], seconds: float) -> float:
             return count / elapsed
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array that starts on a 64-byte boundary (the aligned limit's; written here, not
+    taken from precache, so that the baseline does not depend on the code it measures)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def limit_epoch(arrays: dict[str, np.ndarray], names: list[str],
                 next_epoch: Callable[[], list[np.ndarray]], keys: Keys | None = None,
-                ) -> Callable[[], int]:
-    """The limit: ``np.take`` a fixed column, and (``keys``) each row's key sliced from the
-    memmapped bytes and made a ``str``."""
+                aligned: bool = False) -> Callable[[], int]:
+    """The limit: ``np.take`` a fixed column (``aligned``: into a 64-byte-aligned array), and
+    (``keys``) each row's key sliced from the memmapped bytes and made a ``str``."""
     fixed = [n for n in names if n != "key"]
+
+    def take(array: np.ndarray, index: np.ndarray) -> np.ndarray:
+        if not aligned:
+            return np.take(array, index, axis=0)
+        out = aligned_empty((len(index), *array.shape[1:]), array.dtype)
+        return np.take(array, index, axis=0, out=out, mode="clip")  # (clip: no temporary)
 
     def run() -> int:
         count = 0
         for index in next_epoch():
-            batch: dict[str, Any] = {n: torch.from_numpy(np.take(arrays[n], index, axis=0))
-                                     for n in fixed}
+            batch: dict[str, Any] = {n: torch.from_numpy(take(arrays[n], index)) for n in fixed}
             if keys is not None:
                 values, offsets = keys
                 starts, stops = offsets[index].tolist(), offsets[index + 1].tolist()
@@ -244,11 +267,11 @@ def settings_for(cache: Path, folder: Path, rows: int, cold: bool,
                  ) -> dict[str, tuple[str, Factory]]:
     """Each setting's name -> (the name of its limit, its factory); see the module docstring.
     The limit's memmaps are opened in the factory: a cold epoch opens them afresh."""
-    def limit(names: list[str]) -> Factory:
+    def limit(names: list[str], aligned: bool = False) -> Factory:
         def make(rank: int, world: int) -> tuple[Epoch, Callable[[], None]]:
             arrays, keys = open_limit(folder)
             return (limit_epoch(arrays, names, epochs(rows, 0, rank, world),
-                                keys if "key" in names else None), lambda: None)
+                                keys if "key" in names else None, aligned), lambda: None)
         return make
 
     def loader(names: list[str], workers: int, **options: Any) -> Factory:
@@ -267,6 +290,7 @@ def settings_for(cache: Path, folder: Path, rows: int, cold: bool,
 
     fixed: dict[str, tuple[str, Factory]] = {
         "limit": ("limit", limit(ALL)),
+        "aligned limit": ("limit", limit(ALL, aligned=True)),
         "read_batch(storage_order=True)": ("limit", read_batch(ALL)),
         "make_loader(num_workers=0)": ("limit", loader(ALL, 0)),
         "make_loader(num_workers=2) threads": ("limit", loader(ALL, 2, worker_kind="threads")),
@@ -322,6 +346,9 @@ def measure(settings: dict[str, tuple[str, Factory]], args: argparse.Namespace,
         for name, rate in got.items():
             rates[name].append(rate)
             ratios[name].append(rate / got[settings[name][0]])
+            aligned = settings[name][0].replace("limit", "aligned limit")
+            if aligned in got and name != aligned:
+                ratios.setdefault(f"{name} / aligned", []).append(rate / got[aligned])
     return rates, ratios
 
 
@@ -339,7 +366,12 @@ def main() -> int:
                         help="forked processes (ranks) reading their shares together")
     parser.add_argument("--cold", action="store_true",
                         help="cold epochs (files dropped from the page cache before each)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads first (1: precache's copies on one core, "
+                             "as the limits'); default: torch's")
     args = parser.parse_args()
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     if args.cold and args.ranks > 1:
         parser.error("--cold runs in one process: leave out --ranks")
     made = not args.work.exists()
@@ -360,13 +392,16 @@ def main() -> int:
                  "rank's time)" if args.ranks > 1 else "one process")
         print(f"{rows:,} rows in {shards} {args.format} shards, batch {BATCH}, full shuffle, "
               f"{'cold' if args.cold else 'warm'}, {where}; median of {args.rounds} rounds; "
+              f"torch threads {torch.get_num_threads()}; "
               f"precache {precache.__file__.rsplit('/precache/', 1)[0]}")
-        print("| reader | rows/s | vs limit |")
-        print("|---|---:|---:|")
+        print("| reader | rows/s | vs limit | vs aligned limit |")
+        print("|---|---:|---:|---:|")
         for name in settings:
             if rates[name]:
+                aligned = ratios.get(f"{name} / aligned")
                 print(f"| {name} | {statistics.median(rates[name]):,.0f} "
-                      f"| {statistics.median(ratios[name]):.2f} of {settings[name][0]} |")
+                      f"| {statistics.median(ratios[name]):.2f} of {settings[name][0]} "
+                      f"| {f'{statistics.median(aligned):.2f}' if aligned else ''} |")
     finally:
         for close in closers:
             close()
