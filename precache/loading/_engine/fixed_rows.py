@@ -17,6 +17,13 @@ took 870 (the source on any 64-byte boundary; one process, same rows). Rows of
 ``WIDE_ROW_BYTES`` or more are therefore copied into ``aligned_empty``'s arrays by
 ``torch.index_select(out=)`` (NumPy has no gather into a given array from a source that is not
 contiguous), narrower ones by NumPy's own gather (about 5 us a column less for 8-byte rows).
+
+``index_select`` only while torch runs one intra-op thread (``torch.get_num_threads() == 1``:
+torchrun's ranks, DataLoader worker processes, ``torch.set_num_threads(1)``). With more, it
+splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked after
+that hangs in its next parallel region (the ranks of ``bench_gather.py --ranks 2``, forked
+after the parent had read a batch, hung in their first read). A read must not make forking
+unsafe, so with more threads NumPy's gather copies wide rows too.
 """
 
 from __future__ import annotations
@@ -152,13 +159,15 @@ class FixedRows:
     def gather(self, plan: Plan, empty: Callable[..., np.ndarray] | None = None,
                ) -> dict[str, np.ndarray]:
         """The columns' rows of a ``plan``, one array each, without the GIL: rows narrower than
-        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays; given
-        ``empty(shape, dtype)`` (pinned memory), every column into its arrays."""
+        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays while
+        torch runs one thread (see the module); given ``empty(shape, dtype)`` (pinned memory),
+        every column into its arrays."""
         spans, offsets = plan
         count = offsets.shape[1]
+        serial = torch.get_num_threads() == 1  # (no OpenMP region opened: forks stay safe)
         out = {}
         for k, (name, (dtype, shape), span) in enumerate(zip(self.names, self._specs, spans)):
-            if empty is None and span.width < WIDE_ROW_BYTES:
+            if empty is None and (span.width < WIDE_ROW_BYTES or not serial):
                 out[name] = span.items[offsets[k]].view(dtype).reshape(count, *shape)
                 continue
             array = out[name] = (empty or aligned_empty)((count, *shape), dtype)

@@ -1,12 +1,19 @@
-"""Wide fixed-shape rows (``WIDE_ROW_BYTES`` and more) of a warm batch: copied from every shard
-a batch touches into arrays that start on a cache line (a copy into NumPy's own arrays, 16
-bytes past one, is ~20% slower), with every row's every byte right, in the order asked for,
-also into the caller's arrays and with any dtype."""
+"""Wide fixed-shape rows (``WIDE_ROW_BYTES`` and more): copied from every shard a batch touches
+into arrays that start on a cache line (a copy into NumPy's own arrays, 16 bytes past one, is
+~20% slower) while torch runs one thread, with every row's every byte right, in the order asked
+for, also into the caller's arrays; and a process forked after its parent read wide rows with
+several torch threads reads them too (GNU OpenMP hangs a fork whose parent opened a parallel
+region)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
+import torch
 
 from precache.loading import CachedDataset, make_loader
 from precache.loading._engine.fixed_rows import WIDE_ROW_BYTES, aligned_empty
@@ -45,7 +52,17 @@ def cache(tmp_path_factory):
     return root / "cache"
 
 
-def test_a_batch_of_wide_rows_is_right_and_starts_on_a_cache_line_cold_and_warm(cache):
+@pytest.fixture
+def one_torch_thread():
+    """torch with one intra-op thread (as under torchrun), as it was after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_batch_of_wide_rows_is_right_and_starts_on_a_cache_line_cold_and_warm(
+        cache, one_torch_thread):
     assert expected(0).nbytes >= WIDE_ROW_BYTES > 4  # (a wide and a narrow column)
     dataset = CachedDataset(cache, columns=["wide", "narrow", "key"])
     try:
@@ -81,7 +98,7 @@ def got_order(indices: np.ndarray, storage_order: bool) -> list[int]:
     return sorted(positive) if storage_order else positive
 
 
-def test_wide_rows_go_into_the_callers_arrays(cache):
+def test_wide_rows_go_into_the_callers_arrays(cache, one_torch_thread):
     made: list[np.ndarray] = []
 
     def empty(shape, dtype):
@@ -121,3 +138,39 @@ def test_aligned_empty_starts_on_a_cache_line(dtype):
         assert array.shape == shape and array.dtype == np.dtype(dtype)
         assert array.flags.c_contiguous and array.flags.writeable
         assert array.ctypes.data % 64 == 0 or array.size == 0  # (no bytes: no address)
+
+
+FORKED_READ = """
+import multiprocessing, sys
+import numpy as np, torch
+from precache.loading import CachedDataset
+
+torch.set_num_threads(2)
+dataset = CachedDataset(sys.argv[1], columns=["wide", "narrow"])
+order = np.random.default_rng(0).permutation(24)
+for _ in range(3):  # cold, then warm through the table (where index_select could go parallel)
+    batch = dataset.read_batch(order)
+
+def child(queue):
+    got = dataset.read_batch(order[:8])
+    queue.put(got["narrow"][:, 0].tolist())
+
+context = multiprocessing.get_context("fork")
+queue = context.Queue()
+process = context.Process(target=child, args=(queue,), daemon=True)
+process.start()
+print(queue.get(timeout=30))
+process.join(10)
+"""
+
+
+def test_a_process_forked_after_its_parent_read_wide_rows_reads_them_too(cache):
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORKED_READ), str(cache)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dataset = CachedDataset(cache, columns=["narrow"])
+    try:
+        rows = dataset.read_batch(np.random.default_rng(0).permutation(ROWS)[:8])["narrow"]
+    finally:
+        dataset.close()
+    assert done.stdout.strip() == str(rows[:, 0].tolist())
