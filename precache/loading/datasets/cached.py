@@ -253,8 +253,9 @@ class CachedDataset:
             empty: ``empty(shape, dtype)`` makes each fixed-shape column's array and the
                 decoded images' array (``ThreadedBatches`` passes ``pinned_empty`` when it pins:
                 the batch is gathered and decoded straight into page-locked memory). Default:
-                arrays of wide rows (16 KiB and more) start on a 64-byte boundary, where rows
-                are copied ~20% faster than into NumPy's own arrays.
+                a cold batch's arrays, and a warm batch's of rows of 16 KiB and more while
+                torch runs one intra-op thread (torchrun's ranks), start on a 64-byte
+                boundary, where rows are copied ~10-20% faster than into NumPy's own arrays.
 
         With ``target=``, the batch also has ``target`` (``int64``, the rows' ``targets``).
 
