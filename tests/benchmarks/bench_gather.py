@@ -62,6 +62,7 @@ import gc
 import json
 import math
 import multiprocessing
+import re
 import shutil
 import statistics
 import sys
@@ -313,6 +314,27 @@ def settings_for(cache: Path, folder: Path, rows: int, cold: bool,
     }
 
 
+def huge_page_share(folders: dict[str, Path]) -> str:
+    """How much of each folder's files this process maps with 2 MB pages (``FilePmdMapped``
+    of ``/proc/self/smaps``): the page cache's folio sizes decide it (a file read back through
+    precache's cold path sits in 4 KB folios, one faulted in through a memmap in 2 MB ones),
+    and a gather from 4 KB pages misses the TLB more (docs/performance.md). Linux only."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return "huge pages: unknown"
+    totals = {name: [0, 0] for name in folders}
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        head = block.split("\n", 1)[0]
+        for name, folder in folders.items():
+            if f"{folder}/" in head:
+                for k, field in enumerate(("Rss", "FilePmdMapped")):
+                    found = re.search(rf"^{field}:\s+(\d+) kB", block, re.M)
+                    totals[name][k] += int(found.group(1)) if found else 0
+    return "; ".join(f"{name} {pmd >> 10} of {rss >> 10} MB mapped on 2 MB pages"
+                     for name, (rss, pmd) in totals.items())
+
+
 def measure(settings: dict[str, tuple[str, Factory]], args: argparse.Namespace,
             files: list[Path], closers: list[Callable[[], None]],
             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -349,6 +371,9 @@ def measure(settings: dict[str, tuple[str, Factory]], args: argparse.Namespace,
             aligned = settings[name][0].replace("limit", "aligned limit")
             if aligned in got and name != aligned:
                 ratios.setdefault(f"{name} / aligned", []).append(rate / got[aligned])
+    if not args.cold and args.ranks == 1:  # (while this process maps the files)
+        print("(after the last round: " + huge_page_share(
+            {"cache": files[0].parent, "limit": files[-1].parent}) + ")")
     return rates, ratios
 
 
