@@ -49,8 +49,11 @@ _TORCH_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (see the
-    module docstring), part of a NumPy array 64 bytes larger that it keeps alive."""
+    module docstring), part of a NumPy array 64 bytes larger that it keeps alive (a dtype that
+    holds Python objects: ``np.empty``'s, whose pointers NumPy sets)."""
     dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        return np.empty(shape, dtype)
     nbytes = dtype.itemsize * math.prod(shape)
     raw = np.empty(nbytes + _LINE, np.uint8)
     start = -raw.ctypes.data % _LINE

@@ -140,6 +140,11 @@ def test_aligned_empty_starts_on_a_cache_line(dtype):
         assert array.ctypes.data % 64 == 0 or array.size == 0  # (no bytes: no address)
 
 
+def test_aligned_empty_of_python_objects_holds_none_of_garbage():
+    array = aligned_empty((3, 2), object)
+    assert array.shape == (3, 2) and array.tolist() == [[None, None]] * 3
+
+
 FORKED_READ = """
 import multiprocessing, sys
 import numpy as np, torch
