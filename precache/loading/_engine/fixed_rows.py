@@ -1,5 +1,6 @@
 """Fixed-shape columns of every open shard by dataset index: a batch is one gather a column,
-whatever shards it touches, into arrays that start on a cache line.
+whatever shards it touches (wide rows, where that is safe, into arrays that start on a cache
+line).
 
 A shuffled batch of 256-row shards touches a shard every few rows, and anything done once a
 shard (a lookup, a ``np.take`` call) cost more than the rows of a small column (``label`` read
@@ -11,9 +12,10 @@ take a few vector operations, and the copy runs without the GIL (thread workers 
 parallel).
 
 Where the rows land matters as much as where they come from. NumPy puts a large new array 16
-bytes past a page boundary (glibc's chunk header), and copying 49,152-byte rows into it took
-1,080 us a batch of 256 where the same copy into an array starting on a 32- or 64-byte boundary
-took 870 (the source on any 64-byte boundary; one process, same rows). Rows of
+bytes past a 64-byte boundary (glibc's chunk header: past a page when glibc maps the array),
+and copying 49,152-byte rows into it took 1,080 us a batch of 256 where the same copy into an
+array starting on a 32- or 64-byte boundary took 870 (the source on any 64-byte boundary; one
+process, same rows). Rows of
 ``WIDE_ROW_BYTES`` or more are therefore copied into ``aligned_empty``'s arrays by
 ``torch.index_select(out=)`` (NumPy has no gather into a given array from a source that is not
 contiguous), narrower ones by NumPy's own gather (about 5 us a column less for 8-byte rows).
