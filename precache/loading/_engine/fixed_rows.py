@@ -15,10 +15,10 @@ Where the rows land matters as much as where they come from. NumPy puts a large 
 bytes past a 64-byte boundary (glibc's chunk header: past a page when glibc maps the array),
 and copying 49,152-byte rows into it took 1,080 us a batch of 256 where the same copy into an
 array starting on a 32- or 64-byte boundary took 870 (the source on any 64-byte boundary; one
-process, same rows). Rows of
-``WIDE_ROW_BYTES`` or more are therefore copied into ``aligned_empty``'s arrays by
-``torch.index_select(out=)`` (NumPy has no gather into a given array from a source that is not
-contiguous), narrower ones by NumPy's own gather (about 5 us a column less for 8-byte rows).
+process, same rows). Rows of ``WIDE_ROW_BYTES`` or more are therefore copied into
+``aligned_empty``'s arrays by ``torch.index_select(out=)`` (NumPy has no gather into a given
+array from a source that is not contiguous), narrower ones by NumPy's own gather (about 5 us a
+column less for 8-byte rows).
 
 ``index_select`` only while torch runs one intra-op thread (``torch.get_num_threads() == 1``:
 torchrun's ranks, DataLoader worker processes, ``torch.set_num_threads(1)``). With more, it
