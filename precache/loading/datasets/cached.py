@@ -250,12 +250,9 @@ class CachedDataset:
                 row) instead: each mapped column is then copied once, straight into the batch,
                 not gathered and then put in order (a shuffled batch is as random either way).
                 ``make_loader``'s batches ask for it.
-            empty: ``empty(shape, dtype)`` makes each fixed-shape column's array and the
-                decoded images' array (``ThreadedBatches`` passes ``pinned_empty`` when it pins:
-                the batch is gathered and decoded straight into page-locked memory). Default:
-                a cold batch's arrays, and a warm batch's of rows of 16 KiB and more while
-                torch runs one intra-op thread (torchrun's ranks), start on a 64-byte
-                boundary, where rows are copied ~10-20% faster than into NumPy's own arrays.
+            empty: ``empty(shape, dtype)`` makes each fixed-shape column's and the decoded
+                images' array (``pinned_empty`` when a thread loader pins). Default: arrays on
+                a 64-byte boundary where safe (docs/stage2-loading.md, "Where a batch lands").
 
         With ``target=``, the batch also has ``target`` (``int64``, the rows' ``targets``).
 
