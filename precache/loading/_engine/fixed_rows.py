@@ -24,8 +24,10 @@ column less for 8-byte rows).
 torchrun's ranks, DataLoader worker processes, ``torch.set_num_threads(1)``). With more, it
 splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked after
 that hangs in its next parallel region (the ranks of ``bench_gather.py --ranks 2``, forked
-after the parent had read a batch, hung in their first read). A read must not make forking
-unsafe, so with more threads NumPy's gather copies wide rows too.
+after the parent had read a batch, hung in their first read). A default read must not make
+forking unsafe, so with more threads NumPy's gather copies wide rows too. A caller's ``empty``
+(a thread loader's pinned memory, so a CUDA process) is still filled by ``index_select``:
+gathering and then copying read at half the rate.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ _TORCH_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (see the
     module docstring), part of a NumPy array 64 bytes larger that it keeps alive (a dtype that
-    holds Python objects: ``np.empty``'s, whose pointers NumPy sets)."""
+    holds Python objects, a subarray or no bytes, or a negative size: ``np.empty``'s)."""
     dtype = np.dtype(dtype)
-    if dtype.hasobject:
+    if dtype.hasobject or dtype.subdtype is not None or dtype.itemsize == 0 or min(
+            shape, default=0) < 0:  # (np.empty's own handling, or its error)
         return np.empty(shape, dtype)
     nbytes = dtype.itemsize * math.prod(shape)
     raw = np.empty(nbytes + _LINE, np.uint8)
@@ -217,8 +220,8 @@ class _Span:
     def copy_rows(self, offsets: np.ndarray, array: np.ndarray) -> None:
         """Copy the rows at ``offsets`` (in steps) into ``array`` (C-contiguous, one row of
         ``width`` bytes each), by ``torch.index_select(out=)``."""
-        target = torch.from_numpy(array.reshape(-1).view(self.items.dtype)
-                                  .reshape(len(offsets), -1))
+        target = torch.from_numpy(array.reshape(len(offsets), -1).view(np.uint8)
+                                  .view(self.items.dtype))  # (bytes first: any dtype's rows)
         torch.index_select(self.tensor(), 0, torch.from_numpy(offsets), out=target)
 
     def tensor(self) -> torch.Tensor:

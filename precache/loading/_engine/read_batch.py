@@ -25,7 +25,11 @@ def read_batch(state: ReadState, indices: Indices, ahead: Indices | None,
     """The columns of rows ``indices`` (see ``CachedDataset.read_batch``), with ``target``
     where the dataset has targets. A path may return a storage-order batch in storage order
     or in the order asked for; asked in storage order already (ascending: a selection keeps
-    the stored order), every path returns the same order, which ``target`` then follows."""
+    the stored order), every path returns the same order, which ``target`` then follows.
+    ``empty=np.empty`` (the default before ``None``) means the default too: a given ``empty``
+    is filled by ``torch.index_select``, which may run on OpenMP threads (``fixed_rows``)."""
+    if empty is np.empty:
+        empty = None
     targets = state.selection.targets
     if targets is None:
         return _read(state, indices, ahead, storage_order, empty)

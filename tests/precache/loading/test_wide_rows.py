@@ -140,6 +140,36 @@ def test_aligned_empty_starts_on_a_cache_line(dtype):
         assert array.ctypes.data % 64 == 0 or array.size == 0  # (no bytes: no address)
 
 
+def test_wide_rows_of_any_dtype_are_copied_whole(tmp_path, one_torch_thread):
+    """Rows of a 5-byte structured dtype at addresses 4 bytes past 8: a step of 4 bytes that
+    does not divide the dtype's size."""
+    from precache.loading._engine.fixed_rows import FixedRows
+
+    dtype, shape, rows = np.dtype([("a", "<i4"), ("b", "u1")]), (4004,), 3
+    views, expected_rows = {}, []
+    for shard in range(3):
+        values = np.zeros((rows, *shape), dtype)
+        values["a"] = np.arange(rows * shape[0]).reshape(rows, -1) + 10_000 * shard
+        values["b"] = shard + 1
+        path = tmp_path / f"{shard}.bin"
+        path.write_bytes(b"\0" * 4 + values.tobytes())
+        views[shard] = np.memmap(path, dtype, "r", offset=4, shape=(rows, *shape))
+        expected_rows += list(values)
+    first = np.array([0, 3, 6, 9])
+    table = FixedRows(["s"], [(dtype, shape)], first, np.repeat(np.arange(3), rows),
+                      np.tile(np.arange(rows), 3))
+    for shard, view in views.items():
+        assert view.ctypes.data % 8 == 4 and table.add(shard, {"s": view})
+    indices = np.array([7, 0, -1, 4])
+    plan = table.plan(indices)
+    assert plan is not None
+    for empty in (None, np.empty):
+        got = table.gather(plan, empty)["s"]
+        assert got.shape == (4, *shape) and got.dtype == dtype
+        for k, i in enumerate(indices):
+            assert got[k].tobytes() == expected_rows[i].tobytes()
+
+
 def test_aligned_empty_of_python_objects_holds_none_of_garbage():
     array = aligned_empty((3, 2), object)
     assert array.shape == (3, 2) and array.tolist() == [[None, None]] * 3
@@ -155,9 +185,11 @@ dataset = CachedDataset(sys.argv[1], columns=["wide", "narrow"])
 order = np.random.default_rng(0).permutation(24)
 for _ in range(3):  # cold, then warm through the table (where index_select could go parallel)
     batch = dataset.read_batch(order)
+    batch = dataset.read_batch(order, empty=np.empty)  # (the default before None: the same)
 
 def child(queue):
     got = dataset.read_batch(order[:8])
+    torch.ones(1 << 22).mul_(2)  # (a torch op on OpenMP threads, as a forked worker may run)
     queue.put(got["narrow"][:, 0].tolist())
 
 context = multiprocessing.get_context("fork")
