@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from precache.loading._engine.row_table import ShardsReady
+
 __all__ = ["FixedRows", "aligned_empty", "WIDE_ROW_BYTES"]
 
 WIDE_ROW_BYTES = 16 << 10
@@ -47,9 +49,6 @@ WIDE_ROW_BYTES = 16 << 10
 
 _LINE = 64
 """The boundary ``aligned_empty``'s arrays start on (a cache line, and AVX-512's width)."""
-
-_TORCH_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (see the
@@ -69,7 +68,7 @@ Plan = tuple[list["_Span"], np.ndarray]
 """Each column's span, and the batch's rows' offsets in them (one row of offsets a column)."""
 
 
-class FixedRows:
+class FixedRows(ShardsReady):
     """Fixed-shape columns ``names`` of a dataset by dataset index (see the module docstring).
 
     Only the views of shards open in this process are held (``drop`` as ``OpenShards`` closes
@@ -91,9 +90,7 @@ class FixedRows:
         self.names, self._specs = list(names), list(specs)
         self._first, self._shard_of, self._rows = first, shard_of, rows
         shards = len(first) - 1
-        self.ready = np.zeros(shards, dtype=bool)
-        self._ready_count = 0
-        self.complete = shards == 0
+        super().__init__(shards)
         self.usable = True
         self._row_bytes = [int(np.dtype(dtype).itemsize * math.prod(shape))
                            for dtype, shape in self._specs]
@@ -120,20 +117,14 @@ class FixedRows:
             assert view is not None
             self._views[k][shard] = view
             self._address[k, shard] = view.ctypes.data
-        if not self.ready[shard]:
-            self.ready[shard] = True
-            self._ready_count += 1
-            self.complete = self._ready_count == len(self.ready)
+        self._mark_ready(shard)
         self._spans = None
         return True
 
     def drop(self, shard: int) -> None:
         """Shard ``shard`` is being closed: let go of its views (its file is unmapped once no
         batch in flight holds them)."""
-        if shard < len(self.ready) and self.ready[shard]:
-            self.ready[shard] = False
-            self._ready_count -= 1
-            self.complete = False
+        if self._mark_closed(shard):
             for views in self._views:
                 views[shard] = None
             self._spans = None
@@ -157,11 +148,10 @@ class FixedRows:
         """The spans of the ready shards' views, and where each shard's rows start in them."""
         spans = [_Span([v for v in views if v is not None], width)
                  for views, width in zip(self._views, self._row_bytes)]
-        lows = np.array([[span.low] for span in spans], dtype=np.int64).reshape(-1, 1)
-        steps = np.array([[span.step] for span in spans], dtype=np.int64).reshape(-1, 1)
+        lows = np.array([span.low for span in spans], dtype=np.int64)[:, None]
+        steps = np.array([span.step for span in spans], dtype=np.int64)[:, None]
         self._starts = (self._address - lows) // steps  # (shards not ready: never read)
-        self._row_steps = np.array([[w] for w in self._row_bytes],
-                                   dtype=np.int64).reshape(-1, 1) // steps
+        self._row_steps = np.array(self._row_bytes, dtype=np.int64)[:, None] // steps
         self._spans = spans
 
     def gather(self, plan: Plan, empty: Callable[..., np.ndarray] | None = None,
@@ -176,11 +166,11 @@ class FixedRows:
         out = {}
         for k, (name, (dtype, shape), span) in enumerate(zip(self.names, self._specs, spans)):
             if empty is None and (span.width < WIDE_ROW_BYTES or not serial):
-                out[name] = span.items[offsets[k]].view(dtype).reshape(count, *shape)
+                out[name] = span.take(offsets[k], dtype, shape)
                 continue
             array = out[name] = (empty or aligned_empty)((count, *shape), dtype)
             if not array.flags.c_contiguous:  # (reshape would copy: write through indexing)
-                array[...] = span.items[offsets[k]].view(dtype).reshape(count, *shape)
+                array[...] = span.take(offsets[k], dtype, shape)
             elif count and span.width:
                 span.copy_rows(offsets[k], array)
         return out
@@ -217,6 +207,11 @@ class _Span:
                                 strides=(self.step, self.step))
         self.items.flags.writeable = False
 
+    def take(self, offsets: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The rows at ``offsets`` (in steps) as a new ``(len(offsets), *shape)`` array of
+        ``dtype``, by NumPy's gather."""
+        return self.items[offsets].view(dtype).reshape(len(offsets), *shape)
+
     def copy_rows(self, offsets: np.ndarray, array: np.ndarray) -> None:
         """Copy the rows at ``offsets`` (in steps) into ``array`` (C-contiguous, one row of
         ``width`` bytes each), by ``torch.index_select(out=)``."""
@@ -228,11 +223,8 @@ class _Span:
         """``items`` as a tensor, made when first asked for (from a writable array over the same
         bytes: torch warns on read-only ones; it is never written through)."""
         if self._tensor is None:
-            if self._raw is None:
-                self._tensor = torch.empty((0, self.width // self.step),
-                                           dtype=_TORCH_INTS[self.step])
-            else:
-                rows = np.ndarray(shape=self.items.shape, dtype=self.items.dtype,
-                                  buffer=self._raw, strides=self.items.strides)
-                self._tensor = torch.from_numpy(rows)
+            rows = self.items if self._raw is None else np.ndarray(
+                shape=self.items.shape, dtype=self.items.dtype, buffer=self._raw,
+                strides=self.items.strides)
+            self._tensor = torch.from_numpy(rows)
         return self._tensor

@@ -29,7 +29,7 @@ import numpy as np
 
 from precache.cache.formats.variable import PREFIX, VariableColumn
 
-__all__ = ["RowTable"]
+__all__ = ["RowTable", "ShardsReady"]
 
 _LIMIT = 1 << 32
 """Bounds are stored as uint32: a run of 4 GiB or more (HDF5 only) is read another way."""
@@ -45,7 +45,33 @@ def _zeros(shape: tuple[int, int]) -> np.ndarray:
     return np.frombuffer(pages, dtype=np.uint32, count=count).reshape(shape)
 
 
-class RowTable:
+class ShardsReady:
+    """Which shards a per-process table can serve now (``RowTable``'s and ``FixedRows``'):
+    ``ready``, a bool per shard, and ``complete``, every shard ready (then a batch needs no
+    check of its shards)."""
+
+    def __init__(self, shards: int) -> None:
+        self.ready = np.zeros(shards, dtype=bool)
+        self._ready_count = 0
+        self.complete = shards == 0
+
+    def _mark_ready(self, shard: int) -> None:
+        if not self.ready[shard]:
+            self.ready[shard] = True
+            self._ready_count += 1
+            self.complete = self._ready_count == len(self.ready)
+
+    def _mark_closed(self, shard: int) -> bool:
+        """Shard ``shard`` is no longer ready; whether it was."""
+        if shard >= len(self.ready) or not self.ready[shard]:
+            return False
+        self.ready[shard] = False
+        self._ready_count -= 1
+        self.complete = False
+        return True
+
+
+class RowTable(ShardsReady):
     """Columns ``names`` of a dataset, by dataset index (see the module docstring).
 
     Args:
@@ -68,9 +94,7 @@ class RowTable:
         self.names, self.buffers = list(names), list(buffers)
         self._first, self._rows = first, rows
         shards = len(first) - 1
-        self.ready = np.zeros(shards, dtype=bool)
-        self._ready_count = 0
-        self.complete = shards == 0  # every shard ready: a batch needs no check of its shards
+        super().__init__(shards)
         self._filled = np.zeros(shards, dtype=bool)  # bounds written (they outlive a close)
         self.usable = True
         # per row: shard, then (start, stop) per column (see the module docstring)
@@ -105,19 +129,13 @@ class RowTable:
         self._filled[shard] = True
         self._bytes_sum += sum(column.row_bytes for column in columns if column is not None)
         self._count += 1
-        if not self.ready[shard]:
-            self.ready[shard] = True
-            self._ready_count += 1
-            self.complete = self._ready_count == len(self.ready)
+        self._mark_ready(shard)
         return True
 
     def drop(self, shard: int) -> None:
         """Shard ``shard`` is being closed: let go of its values (its bounds stay: a shard file
         never changes, and ``add`` checks the offsets again when it is reopened)."""
-        if shard < len(self.ready) and self.ready[shard]:
-            self.ready[shard] = False
-            self._ready_count -= 1
-            self.complete = False
+        if self._mark_closed(shard):
             for values in self._values:
                 values[shard] = None
 
