@@ -6,12 +6,12 @@ batch of rows reads back as one contiguous buffer viewed as an ``(n, *shape)`` N
 
 **Ready to map.** Fixed-shape and scalar columns are written required (no null levels),
 uncompressed, PLAIN, and as one data page per shard. Their values are then one contiguous run
-of ``rows x width`` bytes at the end of the column chunk, starting on 64 bytes (``ALIGNMENT``:
-a pad column before each), and a reader maps the file and views that run as an
-``(n, *shape)`` array: a batch is a gather from the page cache, with no decoding
-and no private copy, and every process on a node shares the same pages. The file is still
-ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets`` finds the runs from the
-footer and each page's header, and maps a column only when the header proves it is that single
+of ``rows x width`` bytes at the end of the column chunk, starting on 64 bytes (``ALIGNMENT``;
+rows of a page or more on a page, ``PAGE_ALIGNMENT``: a pad column before each), and a reader
+maps the file and views that run as an ``(n, *shape)`` array: a batch is a gather from the page
+cache, with no decoding and no private copy, and every process on a node shares the same
+pages. The file is still ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets``
+finds the runs from the footer and each page's header, and maps a column only when the header proves it is that single
 page; columns written otherwise (older caches, other writers) are decoded as before.
 
 **Variable-length columns** (``ragged``, ``bytes``, ``str``) are written the same way (one
@@ -75,6 +75,14 @@ before each of those columns the writer puts a pad column (``PAD_PREFIX`` + its 
 dictionary-encoded value, repeated, whose length moves the next column's values onto the
 boundary; ~40 bytes plus the shift, read by nothing: precache reads by schema, and other tools
 see a binary column)."""
+
+PAGE_ALIGNMENT = 4096
+"""The boundary the values of a column start on when its rows are at least this wide (instead
+of ``ALIGNMENT``). Mapped, a file's bytes lie as they do on its pages, so every row of such a
+column whose width is a whole number of pages starts on a page, and stage 2 copies a batch of
+them as whole pages into its batch array with one NumPy gather (``loading/_engine/fixed_rows``:
+128 px crops at 0.99-1.00 of a memmap gather, 64-byte aligned ones at 0.86-0.95 with torch's
+default threads). Costs under a page per such column per shard, less than one of its rows."""
 
 PAD_PREFIX = "__pad__"
 
@@ -510,7 +518,7 @@ class ParquetShardReader(ShardReader):
 def _serialized(arrays: dict[str, pa.Array], pads: dict[str, int], rows: int,
                 metadata: dict[Any, Any], schema: dict[str, ColumnSpec], one_page: bool) -> pa.Buffer:
     """The shard's bytes: ``arrays`` in order, each column of ``pads`` after a pad column of
-    that many bytes (``ALIGNMENT``)."""
+    that many bytes (its ``column_alignment``)."""
     columns: dict[str, pa.Array] = {}
     for name, array in arrays.items():
         if name in pads:
@@ -537,12 +545,20 @@ def _serialized(arrays: dict[str, pa.Array], pads: dict[str, int], rows: int,
     return sink.getvalue()
 
 
+def column_alignment(spec: ColumnSpec) -> int:
+    """The boundary stage 1 starts a mapped column's values on: ``PAGE_ALIGNMENT`` for rows at
+    least that wide, else ``ALIGNMENT``."""
+    width = np.dtype(spec.dtype).itemsize * math.prod(spec.shape) if spec.dtype else 0
+    return PAGE_ALIGNMENT if width >= PAGE_ALIGNMENT else ALIGNMENT
+
+
 def _misalignment(data: pa.Buffer, schema: dict[str, ColumnSpec],
                   names: list[str]) -> dict[str, int]:
-    """How many bytes each column of ``names`` must move forward for its values to start on
-    ``ALIGNMENT`` in the shard ``data`` (0 for a column that is not mapped)."""
+    """How many bytes each column of ``names`` must move forward for its values to start on its
+    ``column_alignment`` in the shard ``data`` (0 for a column that is not mapped)."""
     found = mapped_offsets(pq.ParquetFile(pa.BufferReader(data)), data, schema)
-    return {name: -found[name] % ALIGNMENT if name in found else 0 for name in names}
+    return {name: -found[name] % column_alignment(schema[name]) if name in found else 0
+            for name in names}
 
 
 class ParquetFormat(ShardFormat):
@@ -569,7 +585,7 @@ class ParquetFormat(ShardFormat):
 
     def write(self, path: Path, columns: dict[str, Any], schema: dict[str, ColumnSpec]) -> None:
         """Write the shard: each fixed-shape and scalar column one page whose values start on
-        ``ALIGNMENT``, each variable-length one a page and its offsets (see the module).
+        its ``column_alignment``, each variable-length one a page and its offsets (see the module).
 
         Raises:
             ValueError: a column's name is taken by another column's offsets (``<name>__ends``)
@@ -608,10 +624,11 @@ class ParquetFormat(ShardFormat):
             shifts = _misalignment(data, schema, aligned)
             if not any(shifts.values()):
                 break
-            carried = 0  # a pad grown before a column moves that column's values too
+            carried = 0  # bytes the pads before a column grew by move its values too
             for name in aligned:
-                pads[name] = (pads[name] + shifts[name] - carried) % ALIGNMENT
-                carried += shifts[name] - carried
+                old = pads[name]
+                pads[name] = (old + shifts[name] - carried) % column_alignment(schema[name])
+                carried += pads[name] - old
         with open(path, "wb") as file:  # (one write: the file's pages, one after another)
             file.write(memoryview(data))
 

@@ -11,23 +11,26 @@ rows start, and reads a batch as one gather from a ``_Span``: an array of row-wi
 take a few vector operations, and the copy runs without the GIL (thread workers gather in
 parallel).
 
-Where the rows land matters as much as where they come from. NumPy puts a large new array 16
-bytes past a 64-byte boundary (glibc's chunk header: past a page when glibc maps the array),
-and copying 49,152-byte rows into it took 1,080 us a batch of 256 where the same copy into an
-array starting on a 32- or 64-byte boundary took 870 (the source on any 64-byte boundary; one
-process, same rows). Rows of ``WIDE_ROW_BYTES`` or more are therefore copied into
-``aligned_empty``'s arrays by ``torch.index_select(out=)`` (NumPy has no gather into a given
-array from a source that is not contiguous), narrower ones by NumPy's own gather (about 5 us a
-column less for 8-byte rows).
+Where the rows land matters as much as where they come from (``batch_arrays``: wide rows
+copied into arrays that start on 64 bytes took 870 us a batch where NumPy's own arrays took
+1,080). NumPy has no gather into a given array from a source that is not contiguous, so wide
+rows (``WIDE_ROW_BYTES`` or more) are copied into ``batch_empty``'s arrays one of two ways:
 
-``index_select`` only while torch runs one intra-op thread (``torch.get_num_threads() == 1``:
-torchrun's ranks, DataLoader worker processes, ``torch.set_num_threads(1)``). With more, it
-splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked after
-that hangs in its next parallel region (the ranks of ``bench_gather.py --ranks 2``, forked
-after the parent had read a batch, hung in their first read). A default read must not make
-forking unsafe, so with more threads NumPy's gather copies wide rows too. A caller's ``empty``
-(a thread loader's pinned memory, so a CUDA process) is still filled by ``index_select``:
-gathering and then copying read at half the rate.
+- **As pages**, where every row is a whole number of 4 KB pages and starts on one (stage 1
+  starts such columns on a page of the file, ``PAGE_ALIGNMENT``, and a mapped file's bytes lie
+  as they do on its pages): the span read as an array of pages *is* contiguous, so one
+  ``np.take(out=)`` of the batch's pages fills the array. It runs on the calling thread alone,
+  whatever torch's thread count, and is fork-safe.
+- **By ``torch.index_select(out=)``**, only while torch runs one intra-op thread
+  (``torch.get_num_threads() == 1``: torchrun's ranks, DataLoader worker processes). With more,
+  it splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked
+  after that hangs in its next parallel region (the ranks of ``bench_gather.py --ranks 2``,
+  forked after the parent had read a batch, hung in their first read). So with more threads
+  NumPy's own gather copies such rows, into its own arrays. A caller's ``empty`` (a thread
+  loader's pinned memory, so a CUDA process) is filled by ``index_select`` where the rows are
+  not pages: gathering and then copying read at half the rate.
+
+Narrower rows are copied by NumPy's own gather (about 5 us a column less for 8-byte rows).
 """
 
 from __future__ import annotations
@@ -40,28 +43,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from precache.loading._engine.batch_arrays import batch_empty
 from precache.loading._engine.row_table import ShardsReady
 
-__all__ = ["FixedRows", "aligned_empty", "WIDE_ROW_BYTES"]
+__all__ = ["FixedRows", "WIDE_ROW_BYTES"]
 
 WIDE_ROW_BYTES = 16 << 10
-"""Rows at least this wide are copied into cache-line-aligned arrays (see the module)."""
+"""Rows at least this wide are copied into ``batch_empty``'s arrays (see the module)."""
 
-_LINE = 64
-"""The boundary ``aligned_empty``'s arrays start on (a cache line, and AVX-512's width)."""
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (see the
-    module docstring), part of a NumPy array 64 bytes larger that it keeps alive (a dtype that
-    holds Python objects, a subarray or no bytes, or a negative size: ``np.empty``'s)."""
-    dtype = np.dtype(dtype)
-    if dtype.hasobject or dtype.subdtype is not None or dtype.itemsize == 0 or min(
-            shape, default=0) < 0:  # (np.empty's own handling, or its error)
-        return np.empty(shape, dtype)
-    nbytes = dtype.itemsize * math.prod(shape)
-    raw = np.empty(nbytes + _LINE, np.uint8)
-    start = -raw.ctypes.data % _LINE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+PAGE = 4096
+"""Rows a whole number of these wide, each starting on one, are copied as pages (the module)."""
 
 
 Plan = tuple[list["_Span"], np.ndarray]
@@ -157,20 +148,23 @@ class FixedRows(ShardsReady):
     def gather(self, plan: Plan, empty: Callable[..., np.ndarray] | None = None,
                ) -> dict[str, np.ndarray]:
         """The columns' rows of a ``plan``, one array each, without the GIL: rows narrower than
-        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays while
-        torch runs one thread (see the module); given ``empty(shape, dtype)`` (pinned memory),
-        every column into its arrays."""
+        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``batch_empty``'s arrays (or
+        given ``empty(shape, dtype)``'s: pinned memory) as whole pages where they lie on pages,
+        else by ``index_select`` while torch runs one thread (see the module)."""
         spans, offsets = plan
         count = offsets.shape[1]
         serial = torch.get_num_threads() == 1  # (no OpenMP region opened: forks stay safe)
         out = {}
         for k, (name, (dtype, shape), span) in enumerate(zip(self.names, self._specs, spans)):
-            if empty is None and (span.width < WIDE_ROW_BYTES or not serial):
+            if empty is None and (span.width < WIDE_ROW_BYTES
+                                  or not (serial or span.pages is not None)):
                 out[name] = span.take(offsets[k], dtype, shape)
                 continue
-            array = out[name] = (empty or aligned_empty)((count, *shape), dtype)
+            array = out[name] = (empty or batch_empty)((count, *shape), dtype)
             if not array.flags.c_contiguous:  # (reshape would copy: write through indexing)
                 array[...] = span.take(offsets[k], dtype, shape)
+            elif count and span.width and span.pages is not None:
+                span.copy_pages(offsets[k], array)
             elif count and span.width:
                 span.copy_rows(offsets[k], array)
         return out
@@ -190,6 +184,7 @@ class _Span:
         self.views, self.width = views, width
         self._raw: Any = None
         self._tensor: torch.Tensor | None = None
+        self.pages: np.ndarray | None = None  # (rows of whole pages, each starting on one)
         starts = [view.ctypes.data for view in views if view.size]
         ends = [view.ctypes.data + view.nbytes for view in views if view.size]
         self.low = min(starts, default=0)
@@ -206,11 +201,27 @@ class _Span:
                                 dtype=dtype, buffer=raw,  # type: ignore[arg-type]
                                 strides=(self.step, self.step))
         self.items.flags.writeable = False
+        if width % PAGE == 0 and self.step == 8 and all((a - self.low) % PAGE == 0
+                                                         for a in starts):
+            self.pages = np.ndarray(shape=(size // PAGE, PAGE // 8), dtype=np.int64,
+                                    buffer=raw)  # type: ignore[arg-type]
+            self.pages.flags.writeable = False
 
     def take(self, offsets: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """The rows at ``offsets`` (in steps) as a new ``(len(offsets), *shape)`` array of
         ``dtype``, by NumPy's gather."""
         return self.items[offsets].view(dtype).reshape(len(offsets), *shape)
+
+    def copy_pages(self, offsets: np.ndarray, array: np.ndarray) -> None:
+        """Copy the rows at ``offsets`` (in steps) into ``array`` (C-contiguous, one row of
+        ``width`` bytes each) page by page, by one ``np.take`` from ``pages``."""
+        assert self.pages is not None
+        first = offsets * self.step // PAGE
+        pages = (first[:, None] + np.arange(self.width // PAGE)).ravel()
+        target = array.reshape(len(offsets), -1).view(np.uint8).view(np.int64)
+        # (mode="clip": the offsets are in range by construction, and "raise" would gather
+        # into a temporary copy of ``array`` first)
+        np.take(self.pages, pages, axis=0, out=target.reshape(len(pages), -1), mode="clip")
 
     def copy_rows(self, offsets: np.ndarray, array: np.ndarray) -> None:
         """Copy the rows at ``offsets`` (in steps) into ``array`` (C-contiguous, one row of

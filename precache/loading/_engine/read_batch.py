@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from precache.loading._engine import gather_shards
+from precache.loading._engine.batch_arrays import batch_empty
 from precache.loading._engine.encoded_images import batch_images
-from precache.loading._engine.fixed_rows import aligned_empty
 from precache.loading._engine.gather_fixed import read_tables, stored
 from precache.loading._engine.gather_rows import read_complete
 from precache.loading._engine.read_state import Indices, ReadState, index_array
@@ -27,7 +27,7 @@ def read_batch(state: ReadState, indices: Indices, ahead: Indices | None,
     or in the order asked for; asked in storage order already (ascending: a selection keeps
     the stored order), every path returns the same order, which ``target`` then follows.
     ``empty=np.empty`` (the default before ``None``) means the default too: a given ``empty``
-    is filled by ``torch.index_select``, which may run on OpenMP threads (``fixed_rows``)."""
+    may be filled by ``torch.index_select``, which may run on OpenMP threads (``fixed_rows``)."""
     if empty is np.empty:
         empty = None
     targets = state.selection.targets
@@ -46,7 +46,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
           storage_order: bool, empty: Callable[..., np.ndarray] | None) -> dict[str, Any]:
     """The requested columns of rows ``indices`` by the first path that serves them, into
     ``empty``'s arrays (``None``: the fixed-shape table's choice; the per-shard path's arrays
-    from ``aligned_empty``, decoded images' from ``np.empty``)."""
+    from ``batch_empty``, decoded images' from ``np.empty``)."""
     fast = read_complete(state, indices, empty or np.empty)
     if fast is None:
         fast = read_tables(state, indices, empty, storage_order)
@@ -56,7 +56,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
     with state.guard():
         faults = state.policy.begin()
         out, order, groups = gather_shards.gather(state, indices, ahead, storage_order,
-                                                  copies, empty or aligned_empty)
+                                                  copies, empty or batch_empty)
     gather_shards.copy_rows(copies)
     if not state.resident:
         with state.guard():

@@ -1,9 +1,9 @@
 """Wide fixed-shape rows (``WIDE_ROW_BYTES`` and more): copied from every shard a batch touches
 into arrays that start on a cache line (a copy into NumPy's own arrays, 16 bytes past one, is
-~20% slower) while torch runs one thread, with every row's every byte right, in the order asked
-for, also into the caller's arrays; and a process forked after its parent read wide rows with
-several torch threads reads them too (GNU OpenMP hangs a fork whose parent opened a parallel
-region)."""
+~20% slower), whatever torch's thread count where the rows are whole pages (stage 1's), with
+every row's every byte right, in the order asked for, also into the caller's arrays; and a
+process forked after its parent read wide rows with several torch threads reads them too (GNU
+OpenMP hangs a fork whose parent opened a parallel region)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from precache.loading import CachedDataset, make_loader
-from precache.loading._engine.fixed_rows import WIDE_ROW_BYTES, aligned_empty
+from precache.loading._engine.batch_arrays import aligned_empty
+from precache.loading._engine.fixed_rows import WIDE_ROW_BYTES
 from precache.processing.ops import FunctionOp
 from precache.processing.pipeline import Pipeline
 from tests.helpers.caches import build_cache
@@ -61,9 +62,19 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=[1, 2])
+def torch_threads(request):
+    """torch with one intra-op thread (as under torchrun) or two (a default), as it was after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(threads)
+
+
 def test_a_batch_of_wide_rows_is_right_and_starts_on_a_cache_line_cold_and_warm(
-        cache, one_torch_thread):
+        cache, torch_threads):
     assert expected(0).nbytes >= WIDE_ROW_BYTES > 4  # (a wide and a narrow column)
+    assert expected(0).nbytes % 4096 == 0  # (whole pages: copied as pages, any thread count)
     dataset = CachedDataset(cache, columns=["wide", "narrow", "key"])
     try:
         keys = dataset.read_column("key")
@@ -73,7 +84,8 @@ def test_a_batch_of_wide_rows_is_right_and_starts_on_a_cache_line_cold_and_warm(
         assert all(np.array_equal(cold[k], expected(row_of[i])) for k, i in enumerate(order))
         for size in range(3, 9):  # (NumPy's own arrays are 64-byte aligned 1 time in 4)
             fresh = CachedDataset(cache, columns=["wide"])
-            assert fresh.read_batch(order[:size])["wide"].ctypes.data % 64 == 0
+            assert fresh.read_batch(order[:size])["wide"].ctypes.data % 64 == 0  # cold
+            assert fresh.read_batch(order[:size])["wide"].ctypes.data % 64 == 0  # warm
             fresh.close()
         indices = np.array([5, -1, 17, 5, 0, -24, 23, 9, 12, 2])
         for storage_order in (False, True):
@@ -98,7 +110,7 @@ def got_order(indices: np.ndarray, storage_order: bool) -> list[int]:
     return sorted(positive) if storage_order else positive
 
 
-def test_wide_rows_go_into_the_callers_arrays(cache, one_torch_thread):
+def test_wide_rows_go_into_the_callers_arrays(cache, torch_threads):
     made: list[np.ndarray] = []
 
     def empty(shape, dtype):
@@ -186,6 +198,7 @@ order = np.random.default_rng(0).permutation(24)
 for _ in range(3):  # cold, then warm through the table (where index_select could go parallel)
     batch = dataset.read_batch(order)
     batch = dataset.read_batch(order, empty=np.empty)  # (the default before None: the same)
+    batch = dataset.read_batch(order, empty=lambda shape, dtype: np.empty(shape, dtype))
 
 def child(queue):
     got = dataset.read_batch(order[:8])
@@ -202,6 +215,8 @@ process.join(10)
 
 
 def test_a_process_forked_after_its_parent_read_wide_rows_reads_them_too(cache):
+    """Also after reads into a caller's arrays (pinned memory's way): rows of whole pages are
+    copied as pages then, on the calling thread."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORKED_READ), str(cache)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -211,3 +226,29 @@ def test_a_process_forked_after_its_parent_read_wide_rows_reads_them_too(cache):
     finally:
         dataset.close()
     assert done.stdout.strip() == str(rows[:, 0].tolist())
+
+
+def test_batches_a_thread_loader_hands_out_keep_their_rows_while_later_ones_reuse_memory(
+        cache, monkeypatch):
+    """Every batch array is made from reused memory here (``REUSED_BYTES`` 0): a batch the
+    consumer holds is never written again, one it dropped is reused."""
+    from precache.loading._engine import batch_arrays
+    monkeypatch.setattr(batch_arrays, "REUSED_BYTES", 0)
+    dataset = CachedDataset(cache, columns=["wide", "narrow"])
+    try:
+        loader = make_loader(dataset, 3, num_workers=2, worker_kind="threads", seed=5)
+        held = list(loader)  # every batch of an epoch held, then checked
+        assert sorted(n for b in held for n in b["narrow"][:, 0].tolist()) == list(range(ROWS))
+        for batch in held:
+            for wide, narrow in zip(batch["wide"].numpy(), batch["narrow"].tolist()):
+                assert np.array_equal(wide, expected(narrow[0]))
+        del held, batch
+        addresses = []
+        for _ in range(2):  # each batch dropped once read: its memory comes back
+            for batch in loader:
+                addresses.append(batch["wide"].data_ptr())
+                for wide, narrow in zip(batch["wide"].numpy(), batch["narrow"].tolist()):
+                    assert np.array_equal(wide, expected(narrow[0]))
+        assert len(set(addresses)) < len(addresses)
+    finally:
+        dataset.close()
