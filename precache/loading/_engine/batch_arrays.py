@@ -6,14 +6,16 @@ chunk header: past a page when glibc maps the array), and copying 49,152-byte ro
 took 870 (one process, same rows). ``aligned_empty``'s arrays start on 64 bytes.
 
 **Whose memory.** A large array freed by another thread than the one that made it goes back to
-that thread's glibc arena, which hands its free pages back to the kernel; the next batch of a
-thread worker then faults its array in afresh, and the kernel zeroes each 2 MB page first (with
-2 thread workers, 13% of the process's time in ``clear_page_erms``; 12,000 128 px crops read at
-62,000-65,000 rows/s where reused memory read at 133,000-148,000). ``batch_empty`` therefore
-reuses the memory of a large batch array once nothing refers to it any more (the consumer
-dropped the batch: no array, tensor or view of it is left, so its memory is this module's
-alone), and makes a new one otherwise. The main thread's large arrays come back from glibc
-already faulted (a process that frees them itself), so there it changes nothing.
+that thread's glibc arena, which hands free pages back to the kernel; a thread worker's next
+batch then faults its array in afresh, the kernel zeroing each page first (with 2 thread
+workers, 13% of the process's time in ``clear_page_erms``). Off the main thread,
+``batch_empty`` therefore reuses the memory of a large batch array once nothing refers to it
+any more (the consumer dropped the batch: no array, tensor or view of it is left, so its memory
+is this module's alone), and makes a new one otherwise. In the main thread glibc hands a freed
+large array back already faulted, and reusing memory here measured no better and at times
+worse (12,000 128 px crops, ``read_batch`` in one process alternating both ways: 122,000-200,000
+rows/s glibc's way, 127,000-234,000 and twice bimodal this way; 2 thread workers 33,000-194,000
+glibc's way, 198,000-252,000 this way), so there ``aligned_empty`` makes every array.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 def batch_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``aligned_empty``'s array, made from the memory of an earlier one of the same size that
-    nothing refers to any more where there is one and it is at least ``REUSED_BYTES``."""
+    """``aligned_empty``'s array; off the main thread, and at least ``REUSED_BYTES``, made from
+    the memory of an earlier one of the same size that nothing refers to any more where there
+    is one (see the module)."""
     dtype = np.dtype(dtype)
-    if _not_plain(shape, dtype) or dtype.itemsize * math.prod(shape) < REUSED_BYTES:
+    if (_not_plain(shape, dtype) or dtype.itemsize * math.prod(shape) < REUSED_BYTES
+            or threading.current_thread() is threading.main_thread()):
         return aligned_empty(shape, dtype)
     nbytes = dtype.itemsize * math.prod(shape)
     return _aligned_view(_REUSED.memory(nbytes + _LINE), nbytes, shape, dtype)
@@ -70,7 +74,7 @@ class _Reused:
     def memory(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of ``uint8``: kept memory nothing else refers to, or new (then kept)."""
         with self._lock:
-            for position in range(len(self._kept)):
+            for position in range(len(self._kept) - 1, -1, -1):  # (the latest first: cached)
                 raw = self._kept[position]
                 # referred to by the deque, ``raw`` and getrefcount's argument alone: every
                 # array, tensor or view made from it is gone
@@ -86,7 +90,6 @@ class _Reused:
 
 
 _REUSED = _Reused()
-
 
 def _not_plain(shape: tuple[int, ...], dtype: np.dtype) -> bool:
     """Whether ``np.empty`` must make the array (objects, a subarray, no bytes, a negative

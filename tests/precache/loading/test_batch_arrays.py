@@ -1,7 +1,10 @@
-"""The arrays a batch is gathered into: on a cache line, and a large one made from the memory of
-an earlier one only once nothing refers to that any more (an array, a view, a tensor)."""
+"""The arrays a batch is gathered into: on a cache line, and a large one off the main thread (a
+thread worker's) made from the memory of an earlier one only once nothing refers to that any
+more (an array, a view, a tensor)."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -12,6 +15,11 @@ SHAPE = (4, REUSED_BYTES // 4)  # uint8: exactly REUSED_BYTES
 
 
 def test_memory_is_reused_only_once_nothing_refers_to_it():
+    with ThreadPoolExecutor(1) as worker:  # (a thread worker's arrays)
+        worker.submit(reused_only_once_free).result()
+
+
+def reused_only_once_free() -> None:
     first = batch_empty(SHAPE, np.uint8)
     first[:] = 1
     address = first.ctypes.data
