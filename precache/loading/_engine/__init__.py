@@ -16,8 +16,7 @@ outside ``precache/loading`` does).
 - ``row_table``, ``fixed_rows``: per-process tables from dataset row to an open shard's mapped
   bytes (``RowTable`` for variable-length columns, ``FixedRows`` for fixed-shape ones), so a
   batch is one gather a column however many shards it touches;
-- ``batch_arrays``: the arrays a batch is gathered into (on a cache line; large ones reuse the
-  memory of batches nothing refers to any more);
+- ``batch_arrays``: the arrays a batch is gathered into, which start on a cache line;
 - ``page_policy``: a dataset's page-cache policy (faults, read-ahead, warming, release);
 - ``warm``: reading whole shards into the page cache in a thread;
 - ``lazy_order``: an epoch's shuffled order computed as it is consumed;

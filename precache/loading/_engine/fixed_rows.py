@@ -14,13 +14,17 @@ parallel).
 Where the rows land matters as much as where they come from (``batch_arrays``: wide rows
 copied into arrays that start on 64 bytes took 870 us a batch where NumPy's own arrays took
 1,080). NumPy has no gather into a given array from a source that is not contiguous, so wide
-rows (``WIDE_ROW_BYTES`` or more) are copied into ``batch_empty``'s arrays one of two ways:
+rows (``WIDE_ROW_BYTES`` or more) are copied into ``aligned_empty``'s arrays one of two ways:
 
 - **As pages**, where every row is a whole number of 4 KB pages and starts on one (stage 1
   starts such columns on a page of the file, ``PAGE_ALIGNMENT``, and a mapped file's bytes lie
   as they do on its pages): the span read as an array of pages *is* contiguous, so one
   ``np.take(out=)`` of the batch's pages fills the array. It runs on the calling thread alone,
-  whatever torch's thread count, and is fork-safe.
+  whatever torch's thread count, and is fork-safe. Only on a process's main thread (a loader
+  without workers, a DataLoader worker process, a rank) or into a caller's arrays: in thread
+  workers, whose arrays come from their threads' own glibc arenas, 2 workers read 0.31-0.38 of
+  the limit this way where NumPy's own gather read 0.79-0.81 (``bench_gather.py``, two runs of
+  each, alternating; why, we did not find), so they copy as before.
 - **By ``torch.index_select(out=)``**, only while torch runs one intra-op thread
   (``torch.get_num_threads() == 1``: torchrun's ranks, DataLoader worker processes). With more,
   it splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked
@@ -37,19 +41,20 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from precache.loading._engine.batch_arrays import batch_empty
+from precache.loading._engine.batch_arrays import aligned_empty
 from precache.loading._engine.row_table import ShardsReady
 
 __all__ = ["FixedRows", "WIDE_ROW_BYTES"]
 
 WIDE_ROW_BYTES = 16 << 10
-"""Rows at least this wide are copied into ``batch_empty``'s arrays (see the module)."""
+"""Rows at least this wide are copied into ``aligned_empty``'s arrays (see the module)."""
 
 PAGE = 4096
 """Rows a whole number of these wide, each starting on one, are copied as pages (the module)."""
@@ -148,22 +153,24 @@ class FixedRows(ShardsReady):
     def gather(self, plan: Plan, empty: Callable[..., np.ndarray] | None = None,
                ) -> dict[str, np.ndarray]:
         """The columns' rows of a ``plan``, one array each, without the GIL: rows narrower than
-        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``batch_empty``'s arrays (or
-        given ``empty(shape, dtype)``'s: pinned memory) as whole pages where they lie on pages,
-        else by ``index_select`` while torch runs one thread (see the module)."""
+        ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays (or
+        given ``empty(shape, dtype)``'s: pinned memory) as whole pages where they lie on pages
+        (on the main thread, or into given arrays), else by ``index_select`` while torch runs
+        one thread (see the module)."""
         spans, offsets = plan
         count = offsets.shape[1]
         serial = torch.get_num_threads() == 1  # (no OpenMP region opened: forks stay safe)
+        main = threading.current_thread() is threading.main_thread()
         out = {}
         for k, (name, (dtype, shape), span) in enumerate(zip(self.names, self._specs, spans)):
-            if empty is None and (span.width < WIDE_ROW_BYTES
-                                  or not (serial or span.pages is not None)):
+            pages = span.pages is not None and (main or empty is not None)
+            if empty is None and (span.width < WIDE_ROW_BYTES or not (serial or pages)):
                 out[name] = span.take(offsets[k], dtype, shape)
                 continue
-            array = out[name] = (empty or batch_empty)((count, *shape), dtype)
+            array = out[name] = (empty or aligned_empty)((count, *shape), dtype)
             if not array.flags.c_contiguous:  # (reshape would copy: write through indexing)
                 array[...] = span.take(offsets[k], dtype, shape)
-            elif count and span.width and span.pages is not None:
+            elif count and span.width and pages:
                 span.copy_pages(offsets[k], array)
             elif count and span.width:
                 span.copy_rows(offsets[k], array)

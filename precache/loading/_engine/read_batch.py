@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from precache.loading._engine import gather_shards
-from precache.loading._engine.batch_arrays import batch_empty
+from precache.loading._engine.batch_arrays import aligned_empty
 from precache.loading._engine.encoded_images import batch_images
 from precache.loading._engine.gather_fixed import read_tables, stored
 from precache.loading._engine.gather_rows import read_complete
@@ -46,7 +46,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
           storage_order: bool, empty: Callable[..., np.ndarray] | None) -> dict[str, Any]:
     """The requested columns of rows ``indices`` by the first path that serves them, into
     ``empty``'s arrays (``None``: the fixed-shape table's choice; the per-shard path's arrays
-    from ``batch_empty``, decoded images' from ``np.empty``)."""
+    from ``aligned_empty``, decoded images' from ``np.empty``)."""
     fast = read_complete(state, indices, empty or np.empty)
     if fast is None:
         fast = read_tables(state, indices, empty, storage_order)
@@ -56,7 +56,7 @@ def _read(state: ReadState, indices: Indices, ahead: Indices | None,
     with state.guard():
         faults = state.policy.begin()
         out, order, groups = gather_shards.gather(state, indices, ahead, storage_order,
-                                                  copies, empty or batch_empty)
+                                                  copies, empty or aligned_empty)
     gather_shards.copy_rows(copies)
     if not state.resident:
         with state.guard():

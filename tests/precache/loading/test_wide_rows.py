@@ -227,28 +227,3 @@ def test_a_process_forked_after_its_parent_read_wide_rows_reads_them_too(cache):
         dataset.close()
     assert done.stdout.strip() == str(rows[:, 0].tolist())
 
-
-def test_batches_a_thread_loader_hands_out_keep_their_rows_while_later_ones_reuse_memory(
-        cache, monkeypatch):
-    """Every batch array is made from reused memory here (``REUSED_BYTES`` 0): a batch the
-    consumer holds is never written again, one it dropped is reused."""
-    from precache.loading._engine import batch_arrays
-    monkeypatch.setattr(batch_arrays, "REUSED_BYTES", 0)
-    dataset = CachedDataset(cache, columns=["wide", "narrow"])
-    try:
-        loader = make_loader(dataset, 3, num_workers=2, worker_kind="threads", seed=5)
-        held = list(loader)  # every batch of an epoch held, then checked
-        assert sorted(n for b in held for n in b["narrow"][:, 0].tolist()) == list(range(ROWS))
-        for batch in held:
-            for wide, narrow in zip(batch["wide"].numpy(), batch["narrow"].tolist()):
-                assert np.array_equal(wide, expected(narrow[0]))
-        del held, batch
-        addresses = []
-        for _ in range(2):  # each batch dropped once read: its memory comes back
-            for batch in loader:
-                addresses.append(batch["wide"].data_ptr())
-                for wide, narrow in zip(batch["wide"].numpy(), batch["narrow"].tolist()):
-                    assert np.array_equal(wide, expected(narrow[0]))
-        assert len(set(addresses)) < len(addresses)
-    finally:
-        dataset.close()
