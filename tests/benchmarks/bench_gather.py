@@ -45,10 +45,10 @@ together (a barrier) and each times the same number of whole epochs (rank 0's ch
 to the limit with the same R in the same round. ``read_batch`` and ``landmarks`` are not run
 then.
 
-``--torch-threads N``: ``torch.set_num_threads(N)`` first. precache copies wide rows with
-``torch.index_select``, which splits a batch among torch's intra-op threads (all cores by
-default); the limits use one core, so ``--torch-threads 1`` compares like with like. The
-header says how many threads torch had.
+``--torch-threads N``: ``torch.set_num_threads(N)`` first. precache copies wide rows that are
+not whole pages with ``torch.index_select`` while torch runs one thread (rows of whole pages,
+as stage 1 writes 128 px crops, as pages whatever the count; ``loading/_engine/fixed_rows``).
+The header says how many threads torch had.
 
 Everything it wrote is deleted at the end unless ``--keep``. It runs against an older tree
 too (``PYTHONPATH=/older/tree python tests/benchmarks/bench_gather.py``; the table names the

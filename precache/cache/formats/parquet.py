@@ -7,7 +7,7 @@ batch of rows reads back as one contiguous buffer viewed as an ``(n, *shape)`` N
 **Ready to map.** Fixed-shape and scalar columns are written required (no null levels),
 uncompressed, PLAIN, and as one data page per shard. Their values are then one contiguous run
 of ``rows x width`` bytes at the end of the column chunk, starting on 64 bytes (``ALIGNMENT``;
-rows of a page or more on a page, ``PAGE_ALIGNMENT``: a pad column before each), and a reader
+rows of whole pages on a page, ``PAGE_ALIGNMENT``: a pad column before each), and a reader
 maps the file and views that run as an ``(n, *shape)`` array: a batch is a gather from the page
 cache, with no decoding and no private copy, and every process on a node shares the same
 pages. The file is still ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets``
@@ -77,12 +77,14 @@ boundary; ~40 bytes plus the shift, read by nothing: precache reads by schema, a
 see a binary column)."""
 
 PAGE_ALIGNMENT = 4096
-"""The boundary the values of a column start on when its rows are at least this wide (instead
-of ``ALIGNMENT``). Mapped, a file's bytes lie as they do on its pages, so every row of such a
-column whose width is a whole number of pages starts on a page, and stage 2 copies a batch of
-them as whole pages into its batch array with one NumPy gather (``loading/_engine/fixed_rows``:
-128 px crops at 0.99-1.00 of a memmap gather, 64-byte aligned ones at 0.86-0.95 with torch's
-default threads). Costs under a page per such column per shard, less than one of its rows."""
+"""The boundary the values of a column start on when its rows are a whole number of pages of
+this size (instead of ``ALIGNMENT``). Mapped, a file's bytes lie as they do on its pages, so
+every row of such a column then starts on a page, and stage 2 copies a batch of them page by
+page with one NumPy call into an array that starts on 64 bytes (``loading/_engine/fixed_rows``;
+128 px crops, 12 pages a row, through ``make_loader(num_workers=0)`` with torch's default
+threads: 0.91-0.95 of a memmap gather where the same cache read at 0.86-0.93 before;
+docs/performance.md). Costs less than a page per such column per shard, under one of its
+rows."""
 
 PAD_PREFIX = "__pad__"
 
@@ -546,10 +548,10 @@ def _serialized(arrays: dict[str, pa.Array], pads: dict[str, int], rows: int,
 
 
 def column_alignment(spec: ColumnSpec) -> int:
-    """The boundary stage 1 starts a mapped column's values on: ``PAGE_ALIGNMENT`` for rows at
-    least that wide, else ``ALIGNMENT``."""
+    """The boundary stage 1 starts a mapped column's values on: ``PAGE_ALIGNMENT`` for rows a
+    whole number of pages wide, else ``ALIGNMENT``."""
     width = np.dtype(spec.dtype).itemsize * math.prod(spec.shape) if spec.dtype else 0
-    return PAGE_ALIGNMENT if width >= PAGE_ALIGNMENT else ALIGNMENT
+    return PAGE_ALIGNMENT if width and width % PAGE_ALIGNMENT == 0 else ALIGNMENT
 
 
 def _misalignment(data: pa.Buffer, schema: dict[str, ColumnSpec],

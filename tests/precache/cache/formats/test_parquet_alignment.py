@@ -1,5 +1,5 @@
 """Stage 1's Parquet shards start the values of every fixed-shape and scalar column at a
-multiple of 64 bytes, and of a column whose rows are a page or wider at a multiple of 4096 (a
+multiple of 64 bytes, and of a column whose rows are whole 4 KiB pages at a multiple of 4096 (a
 pad column before each), so the rows of a mapped column sit where NumPy's gather reads them
 fastest (issue 37: rows at any byte gathered at 0.77-0.83 of a ``.npy`` take through
 ``make_loader(num_workers=0)``, aligned ones at 0.93-0.96; whole pages, see ``fixed_rows``)."""
@@ -40,6 +40,7 @@ def test_every_mapped_column_of_a_stage_1_parquet_shard_starts_on_its_boundary(
                        for name, offset in reader._offsets.items()), reader._offsets
             assert reader._offsets["image"] % PAGE_ALIGNMENT == 0, reader._offsets
             assert reader._offsets["label"] % ALIGNMENT == 0, reader._offsets
+            assert column_alignment(reader.schema["mesh"]) == ALIGNMENT  # (not whole pages)
         rows = data.read_batch(np.arange(len(data)))
         assert rows["image"].shape == (14, 128, 128, 3) and len(rows["key"]) == 14
     finally:
