@@ -591,8 +591,15 @@ class ParquetFormat(ShardFormat):
 
         Raises:
             ValueError: a column's name is taken by another column's offsets (``<name>__ends``)
-                or alignment pad (``__pad__<name>``).
+                or alignment pad (``__pad__<name>``), or a fixed-shape column's rows hold no
+                bytes (Parquet has no fixed-size value of none).
         """
+        for name, spec in schema.items():
+            if spec.kind == "ndarray" and 0 in spec.shape:
+                raise ValueError(
+                    f"column {name!r} holds arrays of shape {spec.shape} ({spec.describe()}): "
+                    "no bytes a row, which Parquet cannot store as a fixed-size value; leave "
+                    "the column out, or give its arrays at least one element")
         arrays = {name: _to_arrow(columns[name], spec) for name, spec in schema.items()}
         checksums = {}
         for name, spec in schema.items():

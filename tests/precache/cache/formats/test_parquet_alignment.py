@@ -57,3 +57,11 @@ def test_a_column_named_like_a_pad_is_refused(tmp_path: Path) -> None:
     schema = {name: infer_spec(name, values[0]) for name, values in columns.items()}
     with pytest.raises(ValueError, match="alignment pad"):
         ParquetFormat().write(tmp_path / "x.parquet", columns, schema)
+
+
+def test_a_column_of_arrays_without_bytes_is_refused_by_name(tmp_path: Path) -> None:
+    columns = {"label": np.arange(3), "nothing": np.zeros((3, 0), np.float32)}
+    schema = {name: infer_spec(name, values[0]) for name, values in columns.items()}
+    with pytest.raises(ValueError, match=r"column 'nothing' holds arrays of shape \(0,\)"):
+        ParquetFormat().write(tmp_path / "x.parquet", columns, schema)
+    assert not (tmp_path / "x.parquet").exists()
