@@ -550,7 +550,7 @@ def _serialized(arrays: dict[str, pa.Array], pads: dict[str, int], rows: int,
 def column_alignment(spec: ColumnSpec) -> int:
     """The boundary stage 1 starts a mapped column's values on: ``PAGE_ALIGNMENT`` for rows a
     whole number of pages wide, else ``ALIGNMENT``."""
-    width = np.dtype(spec.dtype).itemsize * math.prod(spec.shape) if spec.dtype else 0
+    width = _width(spec)
     return PAGE_ALIGNMENT if width and width % PAGE_ALIGNMENT == 0 else ALIGNMENT
 
 
