@@ -7,6 +7,7 @@ OpenMP hangs a fork whose parent opened a parallel region)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -180,6 +181,39 @@ def test_wide_rows_of_any_dtype_are_copied_whole(tmp_path, one_torch_thread):
         assert got.shape == (4, *shape) and got.dtype == dtype
         for k, i in enumerate(indices):
             assert got[k].tobytes() == expected_rows[i].tobytes()
+
+
+
+def test_rows_of_whole_pages_are_copied_as_pages_into_any_given_array(tmp_path):
+    """Rows of 5 pages, a page into each of 3 files (the span between their maps is not read),
+    into NumPy's, an odd-addressed and no given array, also after a shard is dropped mid-batch."""
+    from precache.loading._engine.fixed_rows import FixedRows
+
+    shape, rows, views, expected_rows = (5, 4096), 3, {}, []
+    for shard in range(3):
+        values = np.random.default_rng(shard).integers(0, 256, (rows, *shape), dtype=np.uint8)
+        path = tmp_path / f"{shard}.bin"
+        path.write_bytes(b"\1" * 4096 + values.tobytes())
+        views[shard] = np.memmap(path, np.uint8, "r", offset=4096, shape=(rows, *shape))
+        expected_rows += list(values)
+    table = FixedRows(["s"], [(np.dtype(np.uint8), shape)], np.array([0, 3, 6, 9]),
+                      np.repeat(np.arange(3), rows), np.tile(np.arange(rows), 3))
+    assert all(table.add(shard, {"s": view}) for shard, view in views.items())
+
+    def odd(shape, dtype):  # (3 bytes past NumPy's: np.take gathers into a copy first)
+        return np.empty(math.prod(shape) + 3, np.uint8)[3:].view(dtype).reshape(shape)
+
+    assert math.prod(shape) >= WIDE_ROW_BYTES  # (copied as pages into NumPy's arrays too)
+    for indices in (np.array([7, 0, -1, 4]), np.array([], dtype=np.int64)):
+        plan = table.plan(indices)
+        assert plan is not None and plan[0][0].pages is not None
+        table.drop(2)  # (a batch planned before: read from its plan's span, which holds the view)
+        for empty in (None, np.empty, odd):
+            got = table.gather(plan, empty)["s"]
+            assert got.shape == (len(indices), *shape)
+            assert all(got[k].tobytes() == expected_rows[i].tobytes()
+                       for k, i in enumerate(indices))
+        assert table.add(2, {"s": views[2]})
 
 
 def test_aligned_empty_of_python_objects_holds_none_of_garbage():
