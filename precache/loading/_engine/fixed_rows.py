@@ -24,7 +24,10 @@ rows (``WIDE_ROW_BYTES`` or more) are copied into ``aligned_empty``'s arrays one
   without workers, a DataLoader worker process, a rank) or into a caller's arrays: in thread
   workers, whose arrays come from their threads' own glibc arenas, 2 workers read 0.31-0.38 of
   the limit this way where NumPy's own gather read 0.79-0.81 (``bench_gather.py``, two runs of
-  each, alternating; why, we did not find), so they copy as before.
+  each, alternating), so they copy as before. Likely why: an arena lies among the shards' maps,
+  so inside ``pages``'s address range (46 of 46 thread-worker batches of 16 shards; 0 of 47 on
+  the main thread, whose arrays come from the heap), and ``np.take(out=)`` then gathers into a
+  temporary and copies it over (NumPy checks overlap by address range), a second copy.
 - **By ``torch.index_select(out=)``**, only while torch runs one intra-op thread
   (``torch.get_num_threads() == 1``: torchrun's ranks, DataLoader worker processes). With more,
   it splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked
