@@ -20,14 +20,14 @@ rows (``WIDE_ROW_BYTES`` or more) are copied into ``aligned_empty``'s arrays one
   starts such columns on a page of the file, ``PAGE_ALIGNMENT``, and a mapped file's bytes lie
   as they do on its pages): the span read as an array of pages *is* contiguous, so one
   ``np.take(out=)`` of the batch's pages fills the array. It runs on the calling thread alone,
-  whatever torch's thread count, and is fork-safe. Only on a process's main thread (a loader
-  without workers, a DataLoader worker process, a rank) or into a caller's arrays: in thread
-  workers, whose arrays come from their threads' own glibc arenas, 2 workers read 0.31-0.38 of
-  the limit this way where NumPy's own gather read 0.79-0.81 (``bench_gather.py``, two runs of
-  each, alternating), so they copy as before. Likely why: an arena lies among the shards' maps,
-  so inside ``pages``'s address range (46 of 46 thread-worker batches of 16 shards; 0 of 47 on
-  the main thread, whose arrays come from the heap), and ``np.take(out=)`` then gathers into a
-  temporary and copies it over (NumPy checks overlap by address range), a second copy.
+  whatever torch's thread count, and is fork-safe. NumPy checks that ``out`` does not overlap
+  the source by address range alone, and gathers into a temporary first (a second copy) where it
+  might, so the page copy is used only into arrays outside the pages' range: on a process's main
+  thread (a loader without workers, a DataLoader worker process, a rank), whose arrays come from
+  glibc's heap below the maps, and into a caller's arrays where they lie outside. A thread
+  worker's arrays come from its thread's glibc arena, which lies among the shards' maps (184 of
+  186 batches inside the range; 2 thread workers read 0.31-0.38 of the limit as pages, 0.79-0.81
+  as before), so thread workers copy as before, without making an array first.
 - **By ``torch.index_select(out=)``**, only while torch runs one intra-op thread
   (``torch.get_num_threads() == 1``: torchrun's ranks, DataLoader worker processes). With more,
   it splits the copy among OpenMP threads, and GNU OpenMP is not fork-safe: a process forked
@@ -173,10 +173,14 @@ class FixedRows(ShardsReady):
             array = out[name] = (empty or aligned_empty)((count, *shape), dtype)
             if not array.flags.c_contiguous:  # (reshape would copy: write through indexing)
                 array[...] = span.take(offsets[k], dtype, shape)
-            elif count and span.width and pages:
+            elif not (count and span.width):
+                continue
+            elif pages and not np.may_share_memory(array, span.pages):  # (see copy_pages)
                 span.copy_pages(offsets[k], array)
-            elif count and span.width:
+            elif serial or empty is not None:
                 span.copy_rows(offsets[k], array)
+            else:  # (inside the pages' address range, and no fork-safe copy into it)
+                out[name] = span.take(offsets[k], dtype, shape)
         return out
 
 
