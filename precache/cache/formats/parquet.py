@@ -11,8 +11,9 @@ rows of whole pages on a page, ``PAGE_ALIGNMENT``: a pad column before each), an
 maps the file and views that run as an ``(n, *shape)`` array: a batch is a gather from the page
 cache, with no decoding and no private copy, and every process on a node shares the same
 pages. The file is still ordinary Parquet (any Parquet reader decodes it). ``mapped_offsets``
-finds the runs from the footer and each page's header, and maps a column only when the header proves it is that single
-page; columns written otherwise (older caches, other writers) are decoded as before.
+finds the runs from the footer and each page's header, and maps a column only when the header
+proves it is that single page; columns written otherwise (older caches, other writers) are
+decoded as before.
 
 **Variable-length columns** (``ragged``, ``bytes``, ``str``) are written the same way (one
 uncompressed PLAIN page), each with an int64 column of where its rows end
@@ -82,7 +83,7 @@ this size (instead of ``ALIGNMENT``). Mapped, a file's bytes lie as they do on i
 every row of such a column then starts on a page, and stage 2 copies a batch of them page by
 page with one NumPy call into an array that starts on 64 bytes (``loading/_engine/fixed_rows``;
 128 px crops, 12 pages a row, through ``make_loader(num_workers=0)`` with torch's default
-threads: 0.91-0.95 of a memmap gather where the same cache read at 0.86-0.93 before;
+threads: 0.91-0.96 of a memmap gather where the same cache read at 0.83-0.93 before;
 docs/performance.md). Costs less than a page per such column per shard, under one of its
 rows."""
 

@@ -35,7 +35,7 @@ rows (``WIDE_ROW_BYTES`` or more) are copied into ``aligned_empty``'s arrays one
   forked after the parent had read a batch, hung in their first read). So with more threads
   NumPy's own gather copies such rows, into its own arrays. A caller's ``empty`` (a thread
   loader's pinned memory, so a CUDA process) is filled by ``index_select`` where the rows are
-  not pages: gathering and then copying read at half the rate.
+  not pages or it lies inside their range: gathering and then copying read at half the rate.
 
 Narrower rows are copied by NumPy's own gather (about 5 us a column less for 8-byte rows).
 """
@@ -158,8 +158,8 @@ class FixedRows(ShardsReady):
         """The columns' rows of a ``plan``, one array each, without the GIL: rows narrower than
         ``WIDE_ROW_BYTES`` by NumPy's gather, wider ones into ``aligned_empty``'s arrays (or
         given ``empty(shape, dtype)``'s: pinned memory) as whole pages where they lie on pages
-        (on the main thread, or into given arrays), else by ``index_select`` while torch runs
-        one thread (see the module)."""
+        (on the main thread, or into given arrays, and outside the pages' address range), else
+        by ``index_select`` while torch runs one thread (see the module)."""
         spans, offsets = plan
         count = offsets.shape[1]
         serial = torch.get_num_threads() == 1  # (no OpenMP region opened: forks stay safe)
