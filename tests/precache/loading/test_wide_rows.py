@@ -183,7 +183,6 @@ def test_wide_rows_of_any_dtype_are_copied_whole(tmp_path, one_torch_thread):
             assert got[k].tobytes() == expected_rows[i].tobytes()
 
 
-
 def test_rows_of_whole_pages_are_copied_as_pages_into_any_given_array(tmp_path):
     """Rows of 5 pages, a page into each of 3 files (the span between their maps is not read),
     into NumPy's, an odd-addressed and no given array, also after a shard is dropped mid-batch."""
@@ -260,4 +259,3 @@ def test_a_process_forked_after_its_parent_read_wide_rows_reads_them_too(cache):
     finally:
         dataset.close()
     assert done.stdout.strip() == str(rows[:, 0].tolist())
-
